@@ -1,0 +1,151 @@
+"""Mask-free tree attention: dense pieces per segment, merged by log-sum-exp.
+
+Our own code: Megatron-Core has no tree attention. For every segment ``s`` of the
+packed tree (a chain ``[start, end)`` whose subtree ends at ``subtree_end``):
+
+* its own tokens attend to its own keys causally (a square causal piece), and
+* every token of its descendants — the contiguous range ``[end, subtree_end)`` —
+  attends to its keys with no mask (a rectangular piece).
+
+Each query's pieces are merged by log-sum-exp; the backward of every piece is the
+standard flash-attention backward given the *merged* output and log-sum-exp, summed
+over pieces (as ring attention does). The cost is exactly the tree's attention work.
+Pieces are tiled to at most ``q_block`` queries (and ``k_block`` keys for kernels that
+materialise scores), which bounds the working memory; no ``U x U`` tensor is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from megatron_branch.attention.kernels import KERNELS
+from megatron_branch.tree import BranchSegment
+
+
+@dataclass(frozen=True)
+class AttentionPiece:
+    """Queries ``[q_lo, q_hi)`` attend to keys ``[k_lo, k_hi)``; causal pieces are square."""
+
+    q_lo: int
+    q_hi: int
+    k_lo: int
+    k_hi: int
+    causal: bool
+
+
+def _tile_rect(q_lo, q_hi, k_lo, k_hi, q_block, k_block, out):
+    for qs in range(q_lo, q_hi, q_block):
+        for ks in range(k_lo, k_hi, k_block):
+            out.append(AttentionPiece(qs, min(qs + q_block, q_hi), ks, min(ks + k_block, k_hi), False))
+
+
+def _tile_causal(lo, hi, q_block, k_block, out):
+    block = min(q_block, k_block)
+    for qs in range(lo, hi, block):
+        qe = min(qs + block, hi)
+        if qs > lo:
+            _tile_rect(qs, qe, lo, qs, q_block, k_block, out)
+        out.append(AttentionPiece(qs, qe, qs, qe, True))
+
+
+def plan_pieces(
+    segments: Sequence[BranchSegment], q_block: Optional[int] = None, k_block: Optional[int] = None
+) -> List[AttentionPiece]:
+    """The attention pieces of a packed tree.
+
+    Args:
+        segments: the tree's segments (``BranchTree.segments``).
+        q_block: most queries per piece (``None``: unbounded).
+        k_block: most keys per piece (``None``: unbounded).
+
+    Returns:
+        Pieces that cover every visible (query, key) pair exactly once.
+    """
+    big = 1 << 62
+    qb, kb = q_block or big, k_block or big
+    pieces: List[AttentionPiece] = []
+    for seg in segments:
+        _tile_causal(seg.start, seg.end, qb, kb, pieces)
+        if seg.subtree_end > seg.end:
+            _tile_rect(seg.end, seg.subtree_end, seg.start, seg.end, qb, kb, pieces)
+    return pieces
+
+
+def _merge(out: Tensor, lse: Tensor, q_lo: int, q_hi: int, o: Tensor, l: Tensor) -> None:
+    """Fold a piece's (o [n, h, d], l [h, n]) into the running out [U, h, d] / lse [h, U]."""
+    acc_l = lse[:, q_lo:q_hi]
+    new_l = torch.logaddexp(acc_l, l)
+    # [h, n] -> [n, h, 1]
+    w_acc = torch.exp(acc_l - new_l).transpose(0, 1).unsqueeze(-1)
+    w_new = torch.exp(l - new_l).transpose(0, 1).unsqueeze(-1)
+    acc_o = out[q_lo:q_hi]
+    acc_o.mul_(w_acc).add_(o.float() * w_new)
+    lse[:, q_lo:q_hi] = new_l
+
+
+class CascadeAttentionFunction(torch.autograd.Function):
+    """Autograd function of :func:`cascade_attention` (saves q, k, v, merged out and lse)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, pieces, scale, kernel):
+        fwd, _ = KERNELS[kernel]
+        rep = q.shape[1] // k.shape[1]
+        # GQA: repeat K/V heads so every piece is a plain multi-head attention.
+        ke = k.repeat_interleave(rep, dim=1) if rep > 1 else k
+        ve = v.repeat_interleave(rep, dim=1) if rep > 1 else v
+        n, h, d = q.shape
+        out = torch.zeros(n, h, v.shape[-1], dtype=torch.float32, device=q.device)
+        lse = torch.full((h, n), float("-inf"), dtype=torch.float32, device=q.device)
+        for p in pieces:
+            o, l = fwd(q[p.q_lo:p.q_hi], ke[p.k_lo:p.k_hi], ve[p.k_lo:p.k_hi], p.causal, scale)
+            _merge(out, lse, p.q_lo, p.q_hi, o, l)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.pieces, ctx.scale, ctx.kernel, ctx.rep = pieces, scale, kernel, rep
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        _, bwd = KERNELS[ctx.kernel]
+        rep = ctx.rep
+        ke = k.repeat_interleave(rep, dim=1) if rep > 1 else k
+        ve = v.repeat_interleave(rep, dim=1) if rep > 1 else v
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(ke.shape, dtype=torch.float32, device=q.device)
+        dv = torch.zeros(ve.shape, dtype=torch.float32, device=q.device)
+        for p in ctx.pieces:
+            qs, ks = slice(p.q_lo, p.q_hi), slice(p.k_lo, p.k_hi)
+            gq, gk, gv = bwd(dout[qs], q[qs], ke[ks], ve[ks], out[qs], lse[:, qs], p.causal, ctx.scale)
+            dq[qs] += gq
+            dk[ks] += gk
+            dv[ks] += gv
+        if rep > 1:
+            # [n, h, d] -> [n, hk, rep, d] -> sum over the repeated heads
+            dk = dk.view(dk.shape[0], -1, rep, dk.shape[-1]).sum(2)
+            dv = dv.view(dv.shape[0], -1, rep, dv.shape[-1]).sum(2)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def cascade_attention(
+    q: Tensor, k: Tensor, v: Tensor, pieces: Sequence[AttentionPiece], scale: float, kernel: str = "flash_cpu"
+) -> Tensor:
+    """Tree attention of a packed sequence from its pieces.
+
+    Args:
+        q: ``[U, heads, head_dim]`` queries (after RoPE).
+        k: ``[U, kv_heads, head_dim]`` keys (after RoPE); ``heads % kv_heads == 0``.
+        v: ``[U, kv_heads, head_dim]`` values.
+        pieces: from :func:`plan_pieces`; must cover every query at least once.
+        scale: softmax scale (usually ``head_dim ** -0.5``).
+        kernel: a name in :data:`megatron_branch.attention.kernels.KERNELS`.
+
+    Returns:
+        ``[U, heads, head_dim]`` attention output, same dtype as ``q``.
+    """
+    return CascadeAttentionFunction.apply(q, k, v, list(pieces), scale, kernel)

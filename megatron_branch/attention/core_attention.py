@@ -1,0 +1,137 @@
+"""Tree attention in Megatron's ``core_attention`` slot.
+
+Our own code (Megatron-Core has no tree attention). Fills
+``SelfAttentionSubmodules.core_attention`` with the constructor and call contract of
+Megatron's ``DotProductAttention``, so the linear layers around it (and with them TE's
+FP8 GEMMs) are untouched.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from megatron_branch._megatron import AttnMaskType, MegatronModule, TransformerConfig
+from megatron_branch.attention.cascade import cascade_attention
+from megatron_branch.attention.dense import dense_tree_attention
+from megatron_branch.attention.kernels import KERNELS, default_kernel
+from megatron_branch.packed_seq import BranchPackedSeqParams
+
+Backend = Literal["cascade", "dense"]
+BACKENDS = ("cascade", "dense")
+
+
+class BranchCoreAttention(MegatronModule):
+    """Each packed token attends to exactly its ancestors-or-self in the tree.
+
+    Backends:
+
+    * ``"cascade"`` (default): mask-free pieces per segment merged by log-sum-exp
+      (:mod:`megatron_branch.attention.cascade`); cost = the tree's attention work,
+      working memory bounded by ``chunk_size`` queries per piece.
+    * ``"dense"``: a ``[U, U]`` boolean mask and plain softmax; O(U^2) memory; reference.
+
+    Without tree data (``packed_seq_params`` not a :class:`BranchPackedSeqParams`) the
+    layer computes ordinary causal attention per batch row with torch's fused SDPA, so a
+    model built with the branch spec also serves plain (pretraining/eval) batches; any
+    ``attention_mask`` is then ignored (causal only).
+
+    Args:
+        config: the model's TransformerConfig (``attention_dropout`` must be 0).
+        layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale,
+            cp_comm_type, pg_collection: as for Megatron's ``DotProductAttention``.
+        backend: ``"cascade"`` or ``"dense"``.
+        chunk_size: most queries per cascade piece (``None``: whole segments).
+        kernel: cascade piece kernel (``"flash_cpu"`` or ``"math"``; default by device).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str = "self",
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+        backend: Backend = "cascade",
+        chunk_size: Optional[int] = None,
+        kernel: Optional[str] = None,
+    ):
+        super().__init__(config=config)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
+        if kernel is not None and kernel not in KERNELS:
+            raise ValueError(f"kernel: {kernel!r} is not one of {tuple(KERNELS)}")
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size: must be a positive number of tokens, got {chunk_size}")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(
+                f"attention_dropout: branch replay is exact only without dropout, got {dropout}"
+            )
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError(f"softmax_type: only 'vanilla' is supported, got {config.softmax_type!r}")
+        if getattr(config, "window_size", None) is not None:
+            raise ValueError("window_size: sliding-window attention is not supported in a tree")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.backend = backend
+        self.chunk_size = chunk_size
+        self.kernel = kernel
+        head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[Tensor] = None,
+        packed_seq_params=None,
+    ) -> Tensor:
+        """Attention over a packed tree.
+
+        Args:
+            query: ``[s, b, heads, head_dim]`` after RoPE (local heads under TP).
+            key, value: ``[s, b, kv_heads, head_dim]``.
+            attention_mask: unused (the tree defines visibility).
+            packed_seq_params: a :class:`BranchPackedSeqParams` (then ``b == 1``).
+
+        Returns:
+            ``[s, b, heads * head_dim]``.
+        """
+        if attention_bias is not None:
+            raise ValueError("attention_bias: not supported by tree attention")
+        s, b = query.shape[:2]
+        if not isinstance(packed_seq_params, BranchPackedSeqParams):
+            return self._causal(query, key, value)
+        if b != 1:
+            raise ValueError(f"query: a packed tree has batch size 1, got {b}")
+        q, k, v = query[:, 0], key[:, 0], value[:, 0]  # [s, 1, h, d] -> [s, h, d]
+        if self.backend == "dense":
+            out = dense_tree_attention(q, k, v, packed_seq_params.last, self.softmax_scale)
+        else:
+            kernel = self.kernel or default_kernel(q.device)
+            k_block = self.chunk_size if kernel == "math" else None
+            pieces = packed_seq_params.pieces(self.chunk_size, k_block)
+            out = cascade_attention(q, k, v, pieces, self.softmax_scale, kernel)
+        # [s, h, d] -> [s, 1, h * d]
+        return out.reshape(s, 1, -1)
+
+    def _causal(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        s, b, h, d = query.shape
+        # [s, b, h, d] -> [b, h, s, d]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=k.shape[1] != h
+        )
+        # [b, h, s, d] -> [s, b, h * d]
+        return out.permute(2, 0, 1, 3).reshape(s, b, h * d)

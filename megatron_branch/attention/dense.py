@@ -1,0 +1,39 @@
+"""Dense boolean-mask tree attention: the simple reference backend.
+
+Builds the ``[U, U]`` visibility mask ``j <= i <= last[j]`` and runs a plain softmax
+attention in float32 with ordinary autograd. O(U^2) memory: meant for tests and small
+trees; the default backend is :mod:`megatron_branch.attention.cascade`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def visibility_mask(last: Tensor) -> Tensor:
+    """``[U, U]`` bool, True where query ``i`` may attend to key ``j`` (``j <= i <= last[j]``)."""
+    idx = torch.arange(last.numel(), device=last.device)
+    return (idx[None, :] <= idx[:, None]) & (idx[:, None] <= last[None, :])
+
+
+def dense_tree_attention(q: Tensor, k: Tensor, v: Tensor, last: Tensor, scale: float) -> Tensor:
+    """Tree attention with an explicit mask.
+
+    Args:
+        q: ``[U, heads, head_dim]``; k, v: ``[U, kv_heads, head_dim]`` (GQA repeated here).
+        last: ``[U]`` packed index of the last token of each token's subtree.
+        scale: softmax scale.
+
+    Returns:
+        ``[U, heads, head_dim]`` in the dtype of ``q``.
+    """
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    # [U, h, d] x [U, h, d] -> [h, U, U]
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    scores = scores.masked_fill(~visibility_mask(last), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)

@@ -1,0 +1,136 @@
+"""Explicit shims that let megatron-core run on a machine without CUDA.
+
+megatron-core 0.16 assumes a GPU in a handful of places. :func:`enable_cpu` patches
+exactly those, records what it patched and why, and is idempotent. It is never applied
+at import time: call it yourself (tests, examples and the CLI do) before building a model.
+Where CUDA is available it does nothing.
+
+Patched points (megatron-core 0.16.1, torch 2.13 CPU build):
+
+* ``torch.cuda.current_device`` — megatron allocates new tensors on it in ~40 places
+  (rotary tables, TP/SP buffers, global memory buffer); on a CPU-only build the call
+  raises. Routed to the CPU device.
+* ``torch.cuda.synchronize`` — called by dist-checkpointing; a no-op on CPU.
+* the model-parallel RNG tracker — ``CudaRNGStatesTracker`` forks CUDA generators
+  (attention dropout, TP weight init). Replaced by :class:`CpuRNGStatesTracker`, which
+  forks the CPU generator the same way.
+* ``fused_softmax.get_default_causal_mask`` — builds the causal mask with ``device="cuda"``
+  when an attention layer gets ``attention_mask=None``; rebuilt on CPU.
+* ``megatron.core.utils.is_te_min_version`` — raises ``TypeError`` when Transformer Engine
+  is absent; made to answer ``False``.
+
+Remove a shim when the upstream version it names no longer needs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import List
+
+import torch
+
+_APPLIED: List[str] = []
+
+
+class CpuRNGStatesTracker:
+    """Named RNG streams on the CPU generator, API-compatible with Megatron's tracker."""
+
+    def __init__(self, *args, **kwargs):
+        self.states_ = {}
+        self.seeds_ = set()
+
+    def is_initialized(self) -> bool:
+        return bool(self.states_)
+
+    def reset(self) -> None:
+        self.states_ = {}
+        self.seeds_ = set()
+
+    def get_states(self):
+        return {name: state.clone() for name, state in self.states_.items()}
+
+    def set_states(self, states) -> None:
+        self.states_ = dict(states)
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self.seeds_:
+            raise ValueError(f"seed {seed} already exists")
+        if name in self.states_:
+            raise ValueError(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        gen = torch.Generator().manual_seed(seed)
+        self.states_[name] = gen.get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        if name not in self.states_:
+            raise KeyError(f"rng state {name} is not added")
+        orig = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+
+def _cpu_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _no_sync(*args, **kwargs) -> None:
+    return None
+
+
+def enable_cpu(seed: int = 1234) -> List[str]:
+    """Make megatron-core's GPTModel runnable on CPU (idempotent; no-op with CUDA).
+
+    Args:
+        seed: seed of the model-parallel RNG stream registered in the CPU tracker.
+
+    Returns:
+        The names of the shims in effect (empty where CUDA is available).
+    """
+    if torch.cuda.is_available():
+        return []
+    if _APPLIED:
+        return list(_APPLIED)
+
+    torch.cuda.current_device = _cpu_device
+    _APPLIED.append("torch.cuda.current_device->cpu")
+    torch.cuda.synchronize = _no_sync
+    _APPLIED.append("torch.cuda.synchronize->noop")
+
+    from megatron.core import utils as mcore_utils
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    from megatron_branch._deps import HAVE_TE
+
+    tracker = CpuRNGStatesTracker()
+    tracker.add(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mcore_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed + 1)
+    tracker.add(mcore_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 2)
+    mcore_random._CUDA_RNG_STATE_TRACKER = tracker
+    mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    _APPLIED.append("tensor_parallel.random tracker->CpuRNGStatesTracker")
+
+    from functools import lru_cache
+
+    from megatron.core.fusions import fused_softmax
+
+    @lru_cache(maxsize=32)
+    def _cpu_causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+    fused_softmax.get_default_causal_mask = _cpu_causal_mask
+    _APPLIED.append("fused_softmax.get_default_causal_mask->cpu")
+
+    if not HAVE_TE:
+        mcore_utils.is_te_min_version = lambda *a, **k: False
+        _APPLIED.append("utils.is_te_min_version->False")
+    return list(_APPLIED)
+
+
+def cpu_enabled() -> bool:
+    """True once :func:`enable_cpu` has patched this process."""
+    return bool(_APPLIED)

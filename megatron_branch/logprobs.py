@@ -1,0 +1,135 @@
+"""Per-rollout log-probabilities from one packed forward over the tree."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from megatron_branch._megatron import (
+    parallel_state,
+    reduce_from_tensor_model_parallel_region,
+    vocab_parallel_cross_entropy,
+)
+from megatron_branch.packed_seq import BranchPackedSeqParams
+from megatron_branch.spec import is_branch_model
+from megatron_branch.tree import BranchTree
+
+
+def _model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _check_model(model, tree: BranchTree) -> None:
+    if not is_branch_model(model):
+        raise ValueError(
+            "model: not built with megatron_branch.get_branch_layer_spec (no tree attention "
+            "layers); positions and visibility would be wrong"
+        )
+    vocab = getattr(_unwrap(model), "vocab_size", None)
+    if vocab is not None and tree.unique_positions and int(tree.tokens.max()) >= vocab:
+        bad = int(tree.tokens.max())
+        rollout = int((tree.rows == int((tree.tokens == bad).nonzero()[0])).any(1).nonzero()[0])
+        raise ValueError(f"rollout {rollout}: tokens contains id {bad} outside the vocabulary of size {vocab}")
+
+
+def _unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def vocab_parallel_entropy(logits: Tensor) -> Tensor:
+    """Entropy of ``softmax(logits)`` for vocab-parallel logits ``[..., V / tp]`` (float32)."""
+    logits = logits.float()
+    local_max = logits.max(dim=-1, keepdim=True).values.detach()
+    if parallel_state.model_parallel_is_initialized() and parallel_state.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(
+            local_max, op=torch.distributed.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group()
+        )
+        reduce = reduce_from_tensor_model_parallel_region
+    else:
+        reduce = lambda x: x  # noqa: E731
+    shifted = logits - local_max
+    exp = shifted.exp()
+    z = reduce(exp.sum(-1))
+    ez = reduce((exp * shifted).sum(-1))
+    return z.log() - ez / z
+
+
+def unique_token_logprobs(
+    logits: Tensor, tree: BranchTree, entropy: bool = False
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """Log-prob of every packed token given its parent, from packed logits.
+
+    Args:
+        logits: ``[U, V / tp]`` logits of the packed sequence (vocab-parallel).
+        tree: the packed tree.
+        entropy: also return the entropy of the distribution at each token's parent.
+
+    Returns:
+        ``(lp [U], ent [U] or None)`` float32; roots (no parent) get 0. A branch point's
+        logits row serves each of its children.
+    """
+    parents = tree.parents.to(logits.device)
+    child = (parents >= 0).nonzero(as_tuple=True)[0]
+    rows = logits.index_select(0, parents[child])  # [n, V/tp]
+    target = tree.tokens.to(logits.device)[child]
+    # vocab_parallel_cross_entropy: [s, b, V/tp], [s, b] -> [s, b]
+    nll = vocab_parallel_cross_entropy(rows.float().unsqueeze(1), target.unsqueeze(1)).squeeze(1)
+    lp = torch.zeros(tree.unique_positions, dtype=torch.float32, device=logits.device)
+    lp = lp.index_put((child,), -nll)
+    ent = None
+    if entropy:
+        ent = torch.zeros_like(lp).index_put((child,), vocab_parallel_entropy(rows))
+    return lp, ent
+
+
+def per_rollout(values: Tensor, tree: BranchTree) -> Tensor:
+    """Gather packed per-token values into ``[R, max_len - 1]`` (0 past each end).
+
+    ``out[r, t] = values[rows[r, t + 1]]``: the value of predicting token ``t + 1``.
+    """
+    rows = tree.rows[:, 1:].to(values.device)
+    valid = rows >= 0
+    out = values[rows.clamp(min=0)]
+    return torch.where(valid, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def rollout_logprobs(
+    model, tree: BranchTree, *, entropy: bool = False
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Differentiable per-rollout log-probs from one packed forward over ``tree``.
+
+    Runs the Megatron ``GPTModel`` (built with :func:`get_branch_layer_spec`) once over the
+    ``U`` unique tokens, computes logits only there, and gathers
+    ``lp[r, t] = log p(seq_r[t + 1] | seq_r[: t + 1])``. Uses Megatron's vocab-parallel
+    cross-entropy, so it works with tensor-parallel logits.
+
+    Args:
+        model: a GPTModel (or a wrapper with ``.module``) built with the branch spec,
+            with ``post_process=True``.
+        tree: the packed rollouts.
+        entropy: also return per-token entropies.
+
+    Returns:
+        ``lp [R, max_len - 1]`` float32, 0 past each rollout's end; with ``entropy=True``
+        ``(lp, ent)`` of the same shape.
+
+    Raises:
+        ValueError: the model lacks tree attention, or a token id is outside its vocabulary.
+    """
+    _check_model(model, tree)
+    device = _model_device(model)
+    params = BranchPackedSeqParams.from_tree(tree, device)
+    # [1, U] (batch-first at GPTModel's input boundary)
+    input_ids = tree.tokens.to(device).unsqueeze(0)
+    position_ids = tree.positions.to(device).unsqueeze(0)
+    logits = model(input_ids, position_ids, attention_mask=None, packed_seq_params=params)
+    # GPTModel returns [b, s, V / tp] -> [U, V / tp]
+    lp, ent = unique_token_logprobs(logits[0], tree, entropy=entropy)
+    lp = per_rollout(lp, tree)
+    if entropy:
+        return lp, per_rollout(ent, tree)
+    return lp

@@ -1,0 +1,65 @@
+"""The naive computation: every rollout through the model separately.
+
+This is the truth every mode is judged against (DESIGN.md §5): use it with a GPTModel
+built from Megatron's *stock* local spec. :func:`naive_rollout_logprobs` runs each
+rollout alone with an explicit causal mask; :func:`batched_rollout_logprobs` runs them
+as one right-padded batch, as plain trainers do (the timed baseline).
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import torch
+from torch import Tensor
+
+from megatron_branch._megatron import vocab_parallel_cross_entropy
+
+
+def _as_list(sequences) -> List[Tensor]:
+    return [torch.as_tensor(s, dtype=torch.long) for s in sequences]
+
+
+def _token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    # logits [b, s, V/tp], targets [b, s] -> [b, s] via Megatron's [s, b, V] convention
+    nll = vocab_parallel_cross_entropy(logits.float().transpose(0, 1).contiguous(), targets.t().contiguous())
+    return -nll.t()
+
+
+def naive_rollout_logprobs(model, sequences: Sequence) -> Tensor:
+    """``[R, max_len - 1]`` log-probs, each rollout run alone with a causal mask."""
+    seqs = _as_list(sequences)
+    device = next(model.parameters()).device
+    width = max(s.numel() for s in seqs) - 1
+    rows = []
+    for s in seqs:
+        n = s.numel()
+        ids = s.to(device).unsqueeze(0)
+        pos = torch.arange(n, device=device).unsqueeze(0)
+        # Megatron convention: True = masked out; [1, 1, n, n]
+        mask = torch.ones(n, n, dtype=torch.bool, device=device).triu(1)[None, None]
+        logits = model(ids, pos, attention_mask=mask)
+        lp = _token_logprobs(logits[:, :-1], ids[:, 1:])[0]
+        rows.append(torch.nn.functional.pad(lp, (0, width - lp.numel())))
+    return torch.stack(rows)
+
+
+def batched_rollout_logprobs(model, sequences: Sequence) -> Tensor:
+    """``[R, max_len - 1]`` log-probs from one right-padded batch (causal attention).
+
+    Padding sits after each rollout's end, so with causal attention it never influences
+    a real token; its log-probs are zeroed.
+    """
+    seqs = _as_list(sequences)
+    device = next(model.parameters()).device
+    lengths = torch.tensor([s.numel() for s in seqs], device=device)
+    width = int(lengths.max())
+    ids = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
+    for i, s in enumerate(seqs):
+        ids[i, : s.numel()] = s.to(device)
+    pos = torch.arange(width, device=device).unsqueeze(0).expand(len(seqs), -1)
+    mask = torch.ones(width, width, dtype=torch.bool, device=device).triu(1)[None, None]
+    logits = model(ids, pos, attention_mask=mask)
+    lp = _token_logprobs(logits[:, :-1], ids[:, 1:])
+    valid = torch.arange(1, width, device=device)[None, :] < lengths[:, None]
+    return torch.where(valid, lp, torch.zeros((), device=device))

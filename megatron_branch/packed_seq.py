@@ -1,0 +1,57 @@
+"""Per-step tree data that travels from ``GPTModel.forward`` down to every layer.
+
+A :class:`BranchPackedSeqParams` is a Megatron ``PackedSeqParams`` (so GPTModel passes it
+through unchanged) in the ``sbhd`` format, carrying the tree's RoPE positions, subtree
+ends and segments. No globals: each call gets its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from torch import Tensor
+
+from megatron_branch._megatron import PackedSeqParams
+from megatron_branch.attention.cascade import AttentionPiece, plan_pieces
+from megatron_branch.tree import BranchSegment, BranchTree
+
+
+@dataclass
+class BranchPackedSeqParams(PackedSeqParams):
+    """Tree layout of one packed micro-batch (batch size 1, sequence ``U``).
+
+    Attributes:
+        positions: ``[U]`` RoPE position (depth) of each packed token.
+        last: ``[U]`` packed index of the last token in each token's subtree.
+        segments: the tree's chains (see :class:`megatron_branch.tree.BranchSegment`).
+    """
+
+    positions: Optional[Tensor] = None
+    last: Optional[Tensor] = None
+    segments: List[BranchSegment] = field(default_factory=list)
+    _pieces: Dict[Tuple[Optional[int], Optional[int]], List[AttentionPiece]] = field(
+        default_factory=dict, repr=False
+    )
+
+    @classmethod
+    def from_tree(cls, tree: BranchTree, device=None) -> "BranchPackedSeqParams":
+        """Params for running ``tree`` packed; tensors moved to ``device``."""
+        positions = tree.positions.to(device) if device is not None else tree.positions
+        last = tree.last.to(device) if device is not None else tree.last
+        rope_len = tree.max_position + 1
+        return cls(
+            qkv_format="sbhd",
+            max_seqlen_q=rope_len,
+            max_seqlen_kv=rope_len,
+            positions=positions,
+            last=last,
+            segments=tree.segments,
+        )
+
+    def pieces(self, q_block: Optional[int], k_block: Optional[int]) -> List[AttentionPiece]:
+        """Attention pieces for this tree, planned once and shared by all layers."""
+        key = (q_block, k_block)
+        if key not in self._pieces:
+            self._pieces[key] = plan_pieces(self.segments, q_block, k_block)
+        return self._pieces[key]

@@ -1,0 +1,57 @@
+"""Layer specs: Megatron's stock local GPT layer with tree attention in place."""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+from megatron_branch._megatron import ModuleSpec, get_gpt_layer_local_spec
+from megatron_branch.attention.core_attention import BACKENDS, BranchCoreAttention
+from megatron_branch.self_attention import BranchSelfAttention
+
+
+def get_branch_layer_spec(
+    backend: str = "cascade",
+    chunk_size: Optional[int] = None,
+    kernel: Optional[str] = None,
+    **local_spec_kwargs,
+) -> ModuleSpec:
+    """``ModuleSpec`` of a ``TransformerLayer``: the stock local spec with tree attention.
+
+    The layer is ``get_gpt_layer_local_spec(**local_spec_kwargs)`` with two slots
+    changed: ``self_attention.module`` becomes :class:`BranchSelfAttention` (RoPE at tree
+    depths; same parameters) and ``self_attention.submodules.core_attention`` becomes
+    :class:`BranchCoreAttention`. Parameter names and shapes equal the stock spec's, so
+    checkpoints load unchanged in both directions. Never touches Transformer Engine.
+
+    Args:
+        backend: ``"cascade"`` (default, mask-free) or ``"dense"`` (boolean mask reference).
+        chunk_size: most queries per cascade piece (bounds working memory).
+        kernel: cascade piece kernel; ``None`` picks by device.
+        **local_spec_kwargs: forwarded to Megatron's ``get_gpt_layer_local_spec``
+            (``normalization``, ``qk_layernorm``, ``num_experts``, ...).
+
+    Returns:
+        The layer spec, for ``GPTModel(transformer_layer_spec=...)``.
+
+    Raises:
+        ValueError: an unknown backend, or ``multi_latent_attention=True`` (MLA has its
+            own attention module and is not supported).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
+    if local_spec_kwargs.get("multi_latent_attention"):
+        raise ValueError("multi_latent_attention: MLA is not supported by the branch spec")
+    spec = copy.deepcopy(get_gpt_layer_local_spec(**local_spec_kwargs))
+    attn = spec.submodules.self_attention
+    attn.module = BranchSelfAttention
+    attn.submodules.core_attention = ModuleSpec(
+        module=BranchCoreAttention,
+        params={"backend": backend, "chunk_size": chunk_size, "kernel": kernel},
+    )
+    return spec
+
+
+def is_branch_model(model) -> bool:
+    """True if ``model`` (possibly wrapped) contains tree attention layers."""
+    return any(isinstance(m, BranchCoreAttention) for m in model.modules())

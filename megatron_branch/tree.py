@@ -1,0 +1,293 @@
+"""The prefix tree of a batch of rollouts, packed in DFS preorder.
+
+Rollouts (token-id sequences) are inserted into a token trie; the unique tokens are laid
+out in depth-first preorder as one packed sequence of length ``U``. Because a preorder
+lays every subtree out contiguously, key ``j`` is visible to query ``i`` iff
+``j <= i <= last[j]`` (``j`` is an ancestor-or-self of ``i``), so the tree needs no
+``U x U`` mask. Several prompts form a forest in the same packed sequence.
+
+Construction is sort-based and vectorised: rollouts are sorted lexicographically, the
+longest common prefix (LCP) of sorted neighbours decides where each rollout leaves the
+trie, and each rollout contributes the suffix after that point. Python loops run over
+rollouts (and the branch points along each), never over tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+Rollout = Union[Sequence[int], torch.Tensor, np.ndarray]
+
+
+@dataclass(frozen=True)
+class BranchSegment:
+    """A maximal run of packed tokens that forms a chain in the tree.
+
+    Attributes:
+        start: packed index of the first token.
+        end: packed index one past the last token.
+        subtree_end: packed index one past the last descendant (``last + 1``).
+        parent: index of the parent segment, ``-1`` for a root.
+    """
+
+    start: int
+    end: int
+    subtree_end: int
+    parent: int
+
+
+def _as_token_array(seq: Rollout, index: int) -> np.ndarray:
+    if isinstance(seq, torch.Tensor):
+        if seq.dim() != 1:
+            raise ValueError(f"rollout {index}: tokens must be 1-D, got shape {tuple(seq.shape)}")
+        if seq.is_floating_point() or seq.is_complex() or seq.dtype == torch.bool:
+            raise ValueError(f"rollout {index}: tokens must be integers, got dtype {seq.dtype}")
+        arr = seq.detach().cpu().numpy()
+    else:
+        arr = np.asarray(seq)
+        if arr.dtype == object:
+            raise ValueError(f"rollout {index}: tokens must be integers (ragged or mixed input)")
+        if arr.ndim != 1:
+            raise ValueError(f"rollout {index}: tokens must be 1-D, got shape {arr.shape}")
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"rollout {index}: tokens must be integers, got dtype {arr.dtype}")
+    if arr.size == 0:
+        raise ValueError(f"rollout {index}: tokens is empty")
+    arr = arr.astype(np.int64, copy=False)
+    if (arr < 0).any():
+        bad = int(arr[arr < 0][0])
+        raise ValueError(f"rollout {index}: tokens contains negative token id {bad}")
+    return arr
+
+
+class BranchTree:
+    """Rollouts deduplicated into a prefix tree and packed in DFS preorder.
+
+    Build with :meth:`from_sequences`. Per packed token ``i`` (all ``[U]`` LongTensors):
+    ``tokens[i]`` (token id), ``positions[i]`` (depth in its rollout, the RoPE position),
+    ``parents[i]`` (packed index of the previous token, ``-1`` for a root) and
+    ``last[i]`` (packed index of the last token of the subtree of ``i``). Per rollout:
+    ``rows[r, t]`` is the packed index of token ``t`` of rollout ``r`` (``[R, max_len]``,
+    ``-1`` past the end) and ``lengths[r]`` its length. ``segments`` lists the chains
+    used by the cascade attention.
+    """
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        parents: torch.Tensor,
+        last: torch.Tensor,
+        rows: torch.Tensor,
+        lengths: torch.Tensor,
+        segments: List[BranchSegment],
+    ):
+        self.tokens = tokens
+        self.positions = positions
+        self.parents = parents
+        self.last = last
+        self.rows = rows
+        self.lengths = lengths
+        self.segments = segments
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_sequences(
+        cls, sequences: Sequence[Rollout], vocab_size: Optional[int] = None
+    ) -> "BranchTree":
+        """Build the tree of a batch of rollouts.
+
+        Args:
+            sequences: ``R`` rollouts, each a list / 1-D LongTensor / 1-D integer array of
+                token ids (prompt and response together). Identical rollouts, rollouts that
+                are prefixes of others and single-token rollouts are all allowed.
+            vocab_size: if given, every token id must be ``< vocab_size``.
+
+        Returns:
+            The packed tree.
+
+        Raises:
+            ValueError: no rollouts, an empty/non-1-D/non-integer rollout, or a token id
+                outside ``[0, vocab_size)``; the message names the rollout.
+        """
+        if isinstance(sequences, torch.Tensor) and sequences.dim() == 2:
+            sequences = list(sequences)
+        if sequences is None or len(sequences) == 0:
+            raise ValueError("sequences: no rollouts given")
+        arrays = [_as_token_array(s, i) for i, s in enumerate(sequences)]
+        if vocab_size is not None:
+            for i, a in enumerate(arrays):
+                if a.max() >= vocab_size:
+                    raise ValueError(
+                        f"rollout {i}: tokens contains id {int(a.max())} outside the "
+                        f"vocabulary of size {vocab_size}"
+                    )
+        return cls._build(arrays)
+
+    @classmethod
+    def _build(cls, arrays: List[np.ndarray]) -> "BranchTree":
+        num = len(arrays)
+        lengths = np.array([a.size for a in arrays], dtype=np.int64)
+        max_len = int(lengths.max())
+        # -1 padding sorts before every token, so a prefix sorts before its extensions.
+        mat = np.full((num, max_len), -1, dtype=np.int64)
+        for i, a in enumerate(arrays):
+            mat[i, : a.size] = a
+        order = np.lexsort(mat.T[::-1]) if num > 1 else np.zeros(1, dtype=np.int64)
+        smat, slen = mat[order], lengths[order]
+
+        # lcp[k]: common prefix of sorted rollouts k-1 and k (lcp[0] = 0).
+        lcp = np.zeros(num, dtype=np.int64)
+        if num > 1:
+            diff = smat[1:] != smat[:-1]  # [R-1, max_len]
+            first = np.where(diff.any(axis=1), diff.argmax(axis=1), max_len)
+            lcp[1:] = np.minimum(first, np.minimum(slen[1:], slen[:-1]))
+        new = slen - lcp  # tokens each sorted rollout adds to the trie
+        offset = np.zeros(num + 1, dtype=np.int64)
+        np.cumsum(new, out=offset[1:])
+        total = int(offset[-1])
+
+        # rows in sorted order; shared tokens copy the row of the previous rollout.
+        srows = np.full((num, max_len), -1, dtype=np.int64)
+        for k in range(num):
+            if lcp[k]:
+                srows[k, : lcp[k]] = srows[k - 1, : lcp[k]]
+            srows[k, lcp[k] : slen[k]] = np.arange(offset[k], offset[k + 1])
+
+        tokens = np.empty(total, dtype=np.int64)
+        positions = np.empty(total, dtype=np.int64)
+        parents = np.empty(total, dtype=np.int64)
+        for k in range(num):
+            if new[k] == 0:
+                continue
+            lo, hi = offset[k], offset[k + 1]
+            depth = np.arange(lcp[k], slen[k])
+            tokens[lo:hi] = smat[k, lcp[k] : slen[k]]
+            positions[lo:hi] = depth
+            parents[lo:hi] = np.where(depth > 0, srows[k, np.maximum(depth - 1, 0)], -1)
+
+        # next_smaller[k]: first k' > k with lcp[k'] < lcp[k] (monotonic stack).
+        next_smaller = np.full(num + 1, num, dtype=np.int64)
+        stack: List[int] = []
+        for k in range(num):
+            while stack and lcp[k] < lcp[stack[-1]]:
+                next_smaller[stack.pop()] = k
+            stack.append(k)
+
+        # Split each rollout's new chain where a later rollout branches off it. Walking
+        # the "staircase" of prefix minima of lcp after k gives, from deep to shallow,
+        # the depth at which each later group leaves, and where the subtree ends.
+        last = np.empty(total, dtype=np.int64)
+        seg_of = np.empty(total, dtype=np.int64)
+        raw_segments: List[tuple] = []  # (start, end, subtree_end)
+        for k in range(num):
+            if new[k] == 0:
+                continue
+            lo_depth, hi_depth = int(lcp[k]), int(slen[k])
+            cuts = []  # (depth where the subtree shrinks, subtree end beyond that depth)
+            s = k + 1
+            while s < num and lcp[s] > lo_depth:
+                cuts.append((int(lcp[s]), int(offset[s])))
+                s = int(next_smaller[s])
+            end_shallow = int(offset[s]) if s < num else total
+            # Depth intervals from deep to shallow: [lcp_s1, len), [lcp_s2, lcp_s1), ...;
+            # tokens at depth >= lcp_sj have a subtree ending where rollout s_j begins.
+            pieces = []
+            upper = hi_depth
+            for depth_cut, off in cuts:
+                if depth_cut < upper:
+                    pieces.append((depth_cut, upper, off))
+                    upper = depth_cut
+            if lo_depth < upper:
+                pieces.append((lo_depth, upper, end_shallow))
+            for d0, d1, sub_end in reversed(pieces):
+                start = int(offset[k]) + d0 - lo_depth
+                end = int(offset[k]) + d1 - lo_depth
+                raw_segments.append((start, end, sub_end))
+                last[start:end] = sub_end - 1
+        raw_segments.sort()
+        # A chain continued by a rollout that extends it (prefix-of-another) is one segment.
+        merged: List[tuple] = []
+        for start, end, sub_end in raw_segments:
+            if merged and merged[-1][1] == start and merged[-1][2] == sub_end:
+                merged[-1] = (merged[-1][0], end, sub_end)
+            else:
+                merged.append((start, end, sub_end))
+        raw_segments = merged
+        segments: List[BranchSegment] = []
+        for idx, (start, end, sub_end) in enumerate(raw_segments):
+            seg_of[start:end] = idx
+            par = int(parents[start])
+            segments.append(BranchSegment(start, end, sub_end, int(seg_of[par]) if par >= 0 else -1))
+
+        rows = np.full((num, max_len), -1, dtype=np.int64)
+        rows[order] = srows
+        return cls(
+            tokens=torch.from_numpy(tokens),
+            positions=torch.from_numpy(positions),
+            parents=torch.from_numpy(parents),
+            last=torch.from_numpy(last),
+            rows=torch.from_numpy(rows),
+            lengths=torch.from_numpy(lengths),
+            segments=segments,
+        )
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def num_rollouts(self) -> int:
+        """Number of rollouts ``R``."""
+        return int(self.lengths.numel())
+
+    @property
+    def naive_positions(self) -> int:
+        """Token positions a per-rollout trainer computes: ``sum(len(rollout))``."""
+        return int(self.lengths.sum())
+
+    @property
+    def unique_positions(self) -> int:
+        """Packed length ``U``: the number of trie nodes."""
+        return int(self.tokens.numel())
+
+    @property
+    def max_len(self) -> int:
+        """Length of the longest rollout."""
+        return int(self.lengths.max())
+
+    @property
+    def max_position(self) -> int:
+        """Largest depth (RoPE position) in the tree."""
+        return int(self.positions.max())
+
+    def sequence(self, r: int) -> torch.Tensor:
+        """Token ids of rollout ``r`` (reconstructed from the packed tree)."""
+        return self.tokens[self.rows[r, : int(self.lengths[r])]]
+
+    def visibility_mask(self) -> torch.Tensor:
+        """Dense ``[U, U]`` bool mask, True where query ``i`` may attend to key ``j``.
+
+        O(U^2) memory: for references and tests only.
+        """
+        idx = torch.arange(self.unique_positions)
+        return (idx[None, :] <= idx[:, None]) & (idx[:, None] <= self.last[None, :])
+
+    def attention_pairs(self) -> int:
+        """Number of visible (query, key) pairs: the tree's real attention work."""
+        return int(sum((s.end - s.start) * (s.end - s.start + 1) // 2
+                       + (s.end - s.start) * (s.subtree_end - s.end) for s in self.segments))
+
+    def to(self, device: Union[str, torch.device]) -> "BranchTree":
+        """Copy of the tree with its tensors on ``device``."""
+        return BranchTree(
+            self.tokens.to(device), self.positions.to(device), self.parents.to(device),
+            self.last.to(device), self.rows.to(device), self.lengths.to(device), self.segments,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"BranchTree(rollouts={self.num_rollouts}, naive_positions={self.naive_positions}, "
+            f"unique_positions={self.unique_positions}, segments={len(self.segments)})"
+        )
