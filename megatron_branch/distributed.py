@@ -34,10 +34,8 @@ def init_distributed(
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend)
-        else:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
-            dist.init_process_group(backend, rank=0, world_size=1)
+        else:  # one process: an in-memory store, no port to collide on
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     world = dist.get_world_size()
     model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
     if world % model_parallel:

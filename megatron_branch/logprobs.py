@@ -76,14 +76,13 @@ def unique_token_logprobs(
     child = (parents >= 0).nonzero(as_tuple=True)[0]
     rows = logits.index_select(0, parents[child])  # [n, V/tp]
     target = tree.tokens.to(logits.device)[child]
+    lp = torch.zeros(tree.unique_positions, dtype=torch.float32, device=logits.device)
+    ent = None
+    if entropy:  # before the cross-entropy, which works in place on its input
+        ent = torch.zeros_like(lp).index_put((child,), vocab_parallel_entropy(rows))
     # vocab_parallel_cross_entropy: [s, b, V/tp], [s, b] -> [s, b]
     nll = vocab_parallel_cross_entropy(rows.float().unsqueeze(1), target.unsqueeze(1)).squeeze(1)
-    lp = torch.zeros(tree.unique_positions, dtype=torch.float32, device=logits.device)
-    lp = lp.index_put((child,), -nll)
-    ent = None
-    if entropy:
-        ent = torch.zeros_like(lp).index_put((child,), vocab_parallel_entropy(rows))
-    return lp, ent
+    return lp.index_put((child,), -nll), ent
 
 
 def per_rollout(values: Tensor, tree: BranchTree) -> Tensor:

@@ -48,7 +48,10 @@ def _as_token_array(seq: Rollout, index: int) -> np.ndarray:
             raise ValueError(f"rollout {index}: tokens must be integers, got dtype {seq.dtype}")
         arr = seq.detach().cpu().numpy()
     else:
-        arr = np.asarray(seq)
+        try:
+            arr = np.asarray(seq)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"rollout {index}: tokens must be a flat list of integers ({exc})") from None
         if arr.dtype == object:
             raise ValueError(f"rollout {index}: tokens must be integers (ragged or mixed input)")
         if arr.ndim != 1:

@@ -1,0 +1,71 @@
+"""Synthetic branching rollouts (tree sampling) for the demo, tests and benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Sequence
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    """Rollouts with their prompt lengths and prompt (group) index."""
+
+    sequences: List[torch.Tensor]
+    prompt_lengths: List[int]
+    group: List[int]
+
+    @property
+    def lengths(self) -> List[int]:
+        return [int(s.numel()) for s in self.sequences]
+
+
+def branching_rollouts(
+    prompt_lengths: Sequence[int],
+    branching: Sequence[int],
+    segment_lengths: Sequence[int],
+    vocab_size: int,
+    seed: int = 0,
+    jitter: int = 0,
+) -> RolloutBatch:
+    """Rollouts of a multi-level tree per prompt.
+
+    Each prompt is followed by ``len(branching)`` levels of response segments: level
+    ``l`` forks every node into ``branching[l]`` children of ``segment_lengths[l]``
+    tokens (plus up to ``jitter`` random extra tokens at the last level). With
+    ``branching=[16]`` this is the usual GRPO shape (G tails per prompt); ``[2, 8]`` is
+    a shared response stem that forks again.
+
+    Args:
+        prompt_lengths: length of each prompt (one tree per prompt: a forest).
+        branching: fan-out per level.
+        segment_lengths: tokens per segment per level (same length as ``branching``).
+        vocab_size: token ids are drawn from ``[0, vocab_size)``.
+        seed: RNG seed.
+        jitter: randomises leaf lengths by up to this many tokens.
+    """
+    if len(branching) != len(segment_lengths):
+        raise ValueError("segment_lengths: needs one entry per level of branching")
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(n: int) -> torch.Tensor:
+        return torch.randint(0, vocab_size, (n,), generator=gen)
+
+    seqs: List[torch.Tensor] = []
+    prompts: List[int] = []
+    groups: List[int] = []
+    for g, plen in enumerate(prompt_lengths):
+        frontier = [draw(plen)]
+        for level, (fan, seg) in enumerate(zip(branching, segment_lengths)):
+            last = level == len(branching) - 1
+            nxt = []
+            for node in frontier:
+                for _ in range(fan):
+                    extra = int(torch.randint(0, jitter + 1, (1,), generator=gen)) if (last and jitter) else 0
+                    nxt.append(torch.cat([node, draw(seg + extra)]))
+            frontier = nxt
+        seqs.extend(frontier)
+        prompts.extend([plen] * len(frontier))
+        groups.extend([g] * len(frontier))
+    return RolloutBatch(seqs, prompts, groups)

@@ -1,0 +1,32 @@
+"""megatron_branch: exact branch replay for RL post-training on Megatron-Core."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_branch",
+    version="0.1.0",
+    description=(
+        "Exact branch replay (prefix-tree deduplication of RL rollouts) for Megatron-Core: "
+        "each unique token position computed once, gradients equal to per-rollout training."
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_branch", "megatron_branch.*"]),
+    install_requires=[
+        # Install torch first (README): a bare requirement here would pull a CUDA build.
+        "torch>=2.4",
+        "megatron-core>=0.16,<0.17",
+        "numpy",
+        "packaging",
+    ],
+    extras_require={
+        "dev": ["pytest>=7", "psutil", "safetensors", "matplotlib"],
+        # GPU machines only: never let pip build Transformer Engine on a CPU machine.
+        "te": ["transformer-engine[pytorch]"],
+        "modelopt": ["nvidia-modelopt==0.47.*", "requests", "huggingface_hub"],
+        "hf": ["transformers", "safetensors"],
+        "launch": ["nemo-run==0.11.1", "leptonai<0.47"],
+    },
+    entry_points={"console_scripts": ["megatron-branch=megatron_branch.cli:main"]},
+)

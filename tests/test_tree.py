@@ -1,0 +1,124 @@
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_branch import BranchTree
+
+
+def _trie_size(seqs):
+    root, count = {}, 0
+    for s in seqs:
+        node = root
+        for t in s:
+            if t not in node:
+                node[t] = {}
+                count += 1
+            node = node[t]
+    return count
+
+
+def _check(seqs):
+    tree = BranchTree.from_sequences(seqs)
+    U = tree.unique_positions
+    assert tree.num_rollouts == len(seqs)
+    assert tree.naive_positions == sum(len(s) for s in seqs)
+    assert U == _trie_size([list(map(int, s)) for s in seqs])
+    for r, s in enumerate(seqs):
+        rows = tree.rows[r, : len(s)]
+        assert tree.sequence(r).tolist() == list(map(int, s))
+        assert tree.positions[rows].tolist() == list(range(len(s)))
+        assert int(tree.parents[rows[0]]) == -1
+        assert torch.equal(tree.parents[rows[1:]], rows[:-1])
+        assert (tree.rows[r, len(s):] == -1).all()
+    # Visibility from the parent pointers alone vs the j <= i <= last[j] rule.
+    anc = torch.zeros(U, U, dtype=torch.bool)
+    for i in range(U):
+        j = i
+        while j >= 0:
+            anc[i, j] = True
+            j = int(tree.parents[j])
+    assert torch.equal(anc, tree.visibility_mask())
+    assert tree.attention_pairs() == int(anc.sum())
+    covered = torch.zeros(U, dtype=torch.long)
+    for seg in tree.segments:
+        covered[seg.start : seg.end] += 1
+        assert (tree.last[seg.start : seg.end] == seg.subtree_end - 1).all()
+        assert all(int(tree.parents[i]) == i - 1 for i in range(seg.start + 1, seg.end))
+    assert (covered == 1).all()
+    return tree
+
+
+def test_random_forests_match_a_reference_trie():
+    rng = random.Random(0)
+    for _ in range(200):
+        base = [rng.randint(0, 3) for _ in range(rng.randint(1, 6))]
+        seqs = []
+        for _ in range(rng.randint(1, 9)):
+            k = rng.randint(0, len(base))
+            seqs.append(base[:k] + [rng.randint(0, 3) for _ in range(rng.randint(0 if k else 1, 5))])
+        _check(seqs)
+
+
+@pytest.mark.parametrize(
+    "seqs",
+    [
+        [[1, 2, 3]],  # a single rollout
+        [[7]],  # a single-token rollout
+        [[1, 2, 3], [1, 2, 3]],  # identical rollouts
+        [[1, 2], [1, 2, 3, 4], [1]],  # prefixes of another
+        [[5], [6], [5]],  # single-token rollouts, a forest
+        [[1, 2, 3, 4], [1, 2, 9, 9], [1, 2, 3, 5], [8, 8]],  # multi-level + forest
+    ],
+)
+def test_edge_cases(seqs):
+    _check(seqs)
+
+
+def test_identical_and_prefix_share_everything():
+    tree = _check([[1, 2, 3], [1, 2, 3], [1, 2], [1, 2, 3, 4]])
+    assert tree.unique_positions == 4
+    assert len(tree.segments) == 1  # a chain extended by prefixes is one segment
+
+
+def test_inputs_as_tensors_arrays_and_a_2d_batch():
+    a = _check([torch.tensor([1, 2, 3]), np.array([1, 2, 4]), [1, 5]])
+    b = BranchTree.from_sequences(torch.tensor([[1, 2, 3], [1, 2, 4]]))
+    assert a.unique_positions == 5 and b.unique_positions == 4
+
+
+def test_large_tree_shape():
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 1000, (6000,), generator=gen)
+    tails = [torch.randint(0, 1000, (2192,), generator=gen) for _ in range(64)]
+    for i, tail in enumerate(tails):
+        tail[0] = i  # distinct first tokens: the tails share nothing
+    seqs = [torch.cat([prompt, tail]) for tail in tails]
+    tree = BranchTree.from_sequences(seqs)
+    assert tree.naive_positions == 64 * 8192
+    assert tree.unique_positions == 6000 + 64 * 2192
+    assert len(tree.segments) == 65
+    assert torch.equal(tree.sequence(17), seqs[17])
+
+
+@pytest.mark.parametrize(
+    "seqs, match",
+    [
+        ([], "no rollouts"),
+        ([[1, 2], []], "rollout 1: tokens is empty"),
+        ([[1, 2], [1.5, 2.0]], "rollout 1: tokens must be integers"),
+        ([torch.tensor([1.0, 2.0])], "rollout 0: tokens must be integers"),
+        ([[1, 2], [[1, 2]]], "rollout 1: tokens must be 1-D"),
+        ([[1, 2], [3, -4]], "rollout 1: tokens contains negative token id -4"),
+        ([[1, 2], [1, [2, 3]]], "rollout 1"),
+    ],
+)
+def test_bad_rollouts_raise_naming_the_rollout(seqs, match):
+    with pytest.raises(ValueError, match=match):
+        BranchTree.from_sequences(seqs)
+
+
+def test_token_outside_vocabulary_names_the_rollout():
+    with pytest.raises(ValueError, match="rollout 2: tokens contains id 50 outside the vocabulary of size 50"):
+        BranchTree.from_sequences([[1, 2], [3], [4, 50]], vocab_size=50)
