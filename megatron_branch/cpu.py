@@ -14,6 +14,9 @@ Patched points (megatron-core 0.16.1, torch 2.13 CPU build):
 * the model-parallel RNG tracker — ``CudaRNGStatesTracker`` forks CUDA generators
   (attention dropout, TP weight init). Replaced by :class:`CpuRNGStatesTracker`, which
   forks the CPU generator the same way.
+* ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` — activation
+  recompute saves and restores the CUDA generator; on CPU there is none (the CPU
+  generator is saved by the same code already), so they hold nothing.
 * ``fused_softmax.get_default_causal_mask`` — builds the causal mask with ``device="cuda"``
   when an attention layer gets ``attention_mask=None``; rebuilt on CPU.
 * ``megatron.core.utils.is_te_min_version`` — raises ``TypeError`` when Transformer Engine
@@ -113,6 +116,9 @@ def enable_cpu(seed: int = 1234) -> List[str]:
     mcore_random._CUDA_RNG_STATE_TRACKER = tracker
     mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     _APPLIED.append("tensor_parallel.random tracker->CpuRNGStatesTracker")
+    mcore_random._get_cuda_rng_state = lambda *args, **kwargs: None
+    mcore_random._set_cuda_rng_state = lambda *args, **kwargs: None
+    _APPLIED.append("tensor_parallel.random._get/_set_cuda_rng_state->noop")
 
     from functools import lru_cache
 

@@ -17,11 +17,11 @@ from megatron_branch.spec import is_branch_model
 from megatron_branch.tree import BranchTree
 
 
-def _model_device(model) -> torch.device:
+def model_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def _check_model(model, tree: BranchTree) -> None:
+def check_model(model, tree: BranchTree) -> None:
     if not is_branch_model(model):
         raise ValueError(
             "model: not built with megatron_branch.get_branch_layer_spec (no tree attention "
@@ -58,6 +58,26 @@ def vocab_parallel_entropy(logits: Tensor) -> Tensor:
     return z.log() - ez / z
 
 
+def child_logprobs(
+    logits: Tensor, rows: Tensor, targets: Tensor, entropy: bool = False
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """``log_softmax(logits[rows])[targets]`` (vocab-parallel), and optionally the entropy.
+
+    Args:
+        logits: ``[n, V / tp]``.
+        rows: ``[m]`` row of each child's parent in ``logits`` (a branch point repeats).
+        targets: ``[m]`` token id of each child.
+
+    Returns:
+        ``(lp [m], ent [m] or None)``, float32.
+    """
+    picked = logits.index_select(0, rows)  # [m, V/tp]
+    ent = vocab_parallel_entropy(picked) if entropy else None  # before the in-place CE
+    # vocab_parallel_cross_entropy: [s, b, V/tp], [s, b] -> [s, b]
+    nll = vocab_parallel_cross_entropy(picked.float().unsqueeze(1), targets.unsqueeze(1)).squeeze(1)
+    return -nll, ent
+
+
 def unique_token_logprobs(
     logits: Tensor, tree: BranchTree, entropy: bool = False
 ) -> Tuple[Tensor, Optional[Tensor]]:
@@ -74,23 +94,20 @@ def unique_token_logprobs(
     """
     parents = tree.parents.to(logits.device)
     child = (parents >= 0).nonzero(as_tuple=True)[0]
-    rows = logits.index_select(0, parents[child])  # [n, V/tp]
-    target = tree.tokens.to(logits.device)[child]
+    lp_child, ent_child = child_logprobs(logits, parents[child], tree.tokens.to(logits.device)[child], entropy)
     lp = torch.zeros(tree.unique_positions, dtype=torch.float32, device=logits.device)
-    ent = None
-    if entropy:  # before the cross-entropy, which works in place on its input
-        ent = torch.zeros_like(lp).index_put((child,), vocab_parallel_entropy(rows))
-    # vocab_parallel_cross_entropy: [s, b, V/tp], [s, b] -> [s, b]
-    nll = vocab_parallel_cross_entropy(rows.float().unsqueeze(1), target.unsqueeze(1)).squeeze(1)
-    return lp.index_put((child,), -nll), ent
+    ent = None if ent_child is None else torch.zeros_like(lp).index_put((child,), ent_child)
+    return lp.index_put((child,), lp_child), ent
 
 
-def per_rollout(values: Tensor, tree: BranchTree) -> Tensor:
+def per_rollout(values: Tensor, tree: BranchTree, rollouts: Optional[Tensor] = None) -> Tensor:
     """Gather packed per-token values into ``[R, max_len - 1]`` (0 past each end).
 
-    ``out[r, t] = values[rows[r, t + 1]]``: the value of predicting token ``t + 1``.
+    ``out[r, t] = values[rows[r, t + 1]]``: the value of predicting token ``t + 1``;
+    ``rollouts`` selects a subset of rows.
     """
-    rows = tree.rows[:, 1:].to(values.device)
+    rows = tree.rows[:, 1:] if rollouts is None else tree.rows[rollouts, 1:]
+    rows = rows.to(values.device)
     valid = rows >= 0
     out = values[rows.clamp(min=0)]
     return torch.where(valid, out, torch.zeros((), dtype=out.dtype, device=out.device))
@@ -119,8 +136,8 @@ def rollout_logprobs(
     Raises:
         ValueError: the model lacks tree attention, or a token id is outside its vocabulary.
     """
-    _check_model(model, tree)
-    device = _model_device(model)
+    check_model(model, tree)
+    device = model_device(model)
     params = BranchPackedSeqParams.from_tree(tree, device)
     # [1, U] (batch-first at GPTModel's input boundary)
     input_ids = tree.tokens.to(device).unsqueeze(0)

@@ -17,7 +17,7 @@ materialise scores), which bounds the working memory; no ``U x U`` tensor is bui
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -87,14 +87,43 @@ def _merge(out: Tensor, lse: Tensor, q_lo: int, q_hi: int, o: Tensor, l: Tensor)
     lse[:, q_lo:q_hi] = new_l
 
 
+def _fold(x: Tensor, groups: int) -> Tensor:
+    """GQA without repeating K/V: ``[n, hk * rep, d] -> [rep * n, hk, d]`` (query heads of a
+    KV group become extra query rows; exact for unmasked attention)."""
+    n, h, d = x.shape
+    # [n, hk, rep, d] -> [hk, rep, n, d] -> [hk, rep * n, d] -> [rep * n, hk, d]
+    return x.view(n, groups, h // groups, d).permute(1, 2, 0, 3).reshape(groups, -1, d).transpose(0, 1)
+
+
+def _unfold_out(o: Tensor, n: int) -> Tensor:
+    # [rep * n, hk, d] -> [hk, rep, n, d] -> [n, hk, rep, d] -> [n, h, d]
+    r_n, hk, d = o.shape
+    return o.transpose(0, 1).reshape(hk, r_n // n, n, d).permute(2, 0, 1, 3).reshape(n, -1, d)
+
+
+def _unfold_lse(l: Tensor, n: int) -> Tensor:
+    # [hk, rep * n] -> [h, n]
+    return l.reshape(-1, n)
+
+
+def _fold_lse(l: Tensor, groups: int) -> Tensor:
+    # [h, n] -> [hk, rep * n]
+    return l.reshape(groups, -1)
+
+
+def _blocks(lo: int, hi: int, block: Optional[int]):
+    step = block or max(hi - lo, 1)
+    return [(s, min(s + step, hi)) for s in range(lo, hi, step)]
+
+
 class CascadeAttentionFunction(torch.autograd.Function):
-    """Autograd function of :func:`cascade_attention` (saves q, k, v, merged out and lse)."""
+    """Autograd function of :func:`cascade_attention` (saves q, k, v, prefix, merged out, lse)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, pieces, scale, kernel):
+    def forward(ctx, q, k, v, pieces, scale, kernel, blocks, *prefix):
         fwd, _ = KERNELS[kernel]
         rep = q.shape[1] // k.shape[1]
-        # GQA: repeat K/V heads so every piece is a plain multi-head attention.
+        # GQA: repeat the (local, short) K/V heads so every piece is a plain attention.
         ke = k.repeat_interleave(rep, dim=1) if rep > 1 else k
         ve = v.repeat_interleave(rep, dim=1) if rep > 1 else v
         n, h, d = q.shape
@@ -103,14 +132,22 @@ class CascadeAttentionFunction(torch.autograd.Function):
         for p in pieces:
             o, l = fwd(q[p.q_lo:p.q_hi], ke[p.k_lo:p.k_hi], ve[p.k_lo:p.k_hi], p.causal, scale)
             _merge(out, lse, p.q_lo, p.q_hi, o, l)
+        q_block, k_block = blocks
+        groups = k.shape[1]
+        for pk, pv in zip(prefix[0::2], prefix[1::2]):
+            for qs, qe in _blocks(0, n, q_block):
+                qf = _fold(q[qs:qe], groups)
+                for ks, ke_ in _blocks(0, pk.shape[0], k_block):
+                    o, l = fwd(qf, pk[ks:ke_], pv[ks:ke_], False, scale)
+                    _merge(out, lse, qs, qe, _unfold_out(o, qe - qs), _unfold_lse(l, qe - qs))
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.pieces, ctx.scale, ctx.kernel, ctx.rep = pieces, scale, kernel, rep
+        ctx.save_for_backward(q, k, v, out, lse, *prefix)
+        ctx.pieces, ctx.scale, ctx.kernel, ctx.rep, ctx.blocks = pieces, scale, kernel, rep, blocks
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *prefix = ctx.saved_tensors
         _, bwd = KERNELS[ctx.kernel]
         rep = ctx.rep
         ke = k.repeat_interleave(rep, dim=1) if rep > 1 else k
@@ -129,11 +166,34 @@ class CascadeAttentionFunction(torch.autograd.Function):
             # [n, h, d] -> [n, hk, rep, d] -> sum over the repeated heads
             dk = dk.view(dk.shape[0], -1, rep, dk.shape[-1]).sum(2)
             dv = dv.view(dv.shape[0], -1, rep, dv.shape[-1]).sum(2)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        prefix_grads = []
+        q_block, k_block = ctx.blocks
+        groups, n = k.shape[1], q.shape[0]
+        for pk, pv in zip(prefix[0::2], prefix[1::2]):
+            gk_all = torch.zeros(pk.shape, dtype=torch.float32, device=q.device)
+            gv_all = torch.zeros(pv.shape, dtype=torch.float32, device=q.device)
+            for qs, qe in _blocks(0, n, q_block):
+                qf, of, dof = (_fold(x[qs:qe], groups) for x in (q, out, dout))
+                lf = _fold_lse(lse[:, qs:qe], groups)
+                for ks, ke_ in _blocks(0, pk.shape[0], k_block):
+                    gq, gk, gv = bwd(dof, qf, pk[ks:ke_], pv[ks:ke_], of, lf, False, ctx.scale)
+                    dq[qs:qe] += _unfold_out(gq, qe - qs)
+                    gk_all[ks:ke_] += gk
+                    gv_all[ks:ke_] += gv
+            prefix_grads += [gk_all.to(pk.dtype), gv_all.to(pv.dtype)]
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, *prefix_grads)
 
 
 def cascade_attention(
-    q: Tensor, k: Tensor, v: Tensor, pieces: Sequence[AttentionPiece], scale: float, kernel: str = "flash_cpu"
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pieces: Sequence[AttentionPiece],
+    scale: float,
+    kernel: str = "flash_cpu",
+    prefix: Sequence[Tuple[Tensor, Tensor]] = (),
+    q_block: Optional[int] = None,
+    k_block: Optional[int] = None,
 ) -> Tensor:
     """Tree attention of a packed sequence from its pieces.
 
@@ -141,11 +201,17 @@ def cascade_attention(
         q: ``[U, heads, head_dim]`` queries (after RoPE).
         k: ``[U, kv_heads, head_dim]`` keys (after RoPE); ``heads % kv_heads == 0``.
         v: ``[U, kv_heads, head_dim]`` values.
-        pieces: from :func:`plan_pieces`; must cover every query at least once.
+        pieces: from :func:`plan_pieces`; every query needs at least one piece or a prefix.
         scale: softmax scale (usually ``head_dim ** -0.5``).
         kernel: a name in :data:`megatron_branch.attention.kernels.KERNELS`.
+        prefix: cached ``(k [P_i, kv_heads, d], v)`` pairs that *every* query sees
+            unmasked (the ancestors held in a prefix-activation cache). GQA is handled by
+            folding query heads into rows, so the prefix is never repeated or copied;
+            gradients flow to these tensors.
+        q_block, k_block: tile sizes for the prefix pieces.
 
     Returns:
         ``[U, heads, head_dim]`` attention output, same dtype as ``q``.
     """
-    return CascadeAttentionFunction.apply(q, k, v, list(pieces), scale, kernel)
+    flat = [t for pair in prefix for t in pair]
+    return CascadeAttentionFunction.apply(q, k, v, list(pieces), scale, kernel, (q_block, k_block), *flat)

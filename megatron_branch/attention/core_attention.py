@@ -20,6 +20,7 @@ from megatron_branch.attention.cascade import cascade_attention
 from megatron_branch.attention.dense import dense_tree_attention
 from megatron_branch.attention.kernels import KERNELS, default_kernel
 from megatron_branch.packed_seq import BranchPackedSeqParams
+from megatron_branch.prefix_cache import inject, prefix_kv
 
 Backend = Literal["cascade", "dense"]
 BACKENDS = ("cascade", "dense")
@@ -115,14 +116,24 @@ class BranchCoreAttention(MegatronModule):
             return self._causal(query, key, value)
         if b != 1:
             raise ValueError(f"query: a packed tree has batch size 1, got {b}")
+        params = packed_seq_params
+        if params.record is not None:
+            # Streaming replay: this forward is a stem; cache its K/V (after RoPE).
+            k_leaf, v_leaf = params.record.record(self.layer_number, key, value)
+            if params.inject:
+                key, value = inject(key, k_leaf), inject(value, v_leaf)
+        prefix = prefix_kv(params.prefix, self.layer_number) if params.prefix else []
         q, k, v = query[:, 0], key[:, 0], value[:, 0]  # [s, 1, h, d] -> [s, h, d]
         if self.backend == "dense":
-            out = dense_tree_attention(q, k, v, packed_seq_params.last, self.softmax_scale)
+            out = dense_tree_attention(q, k, v, params.last, self.softmax_scale, prefix=prefix)
         else:
             kernel = self.kernel or default_kernel(q.device)
             k_block = self.chunk_size if kernel == "math" else None
-            pieces = packed_seq_params.pieces(self.chunk_size, k_block)
-            out = cascade_attention(q, k, v, pieces, self.softmax_scale, kernel)
+            pieces = params.pieces(self.chunk_size, k_block)
+            out = cascade_attention(
+                q, k, v, pieces, self.softmax_scale, kernel, prefix=prefix,
+                q_block=self.chunk_size, k_block=k_block,
+            )
         # [s, h, d] -> [s, 1, h * d]
         return out.reshape(s, 1, -1)
 

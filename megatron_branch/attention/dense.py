@@ -7,6 +7,8 @@ trees; the default backend is :mod:`megatron_branch.attention.cascade`.
 
 from __future__ import annotations
 
+from typing import Sequence, Tuple
+
 import torch
 from torch import Tensor
 
@@ -17,23 +19,32 @@ def visibility_mask(last: Tensor) -> Tensor:
     return (idx[None, :] <= idx[:, None]) & (idx[:, None] <= last[None, :])
 
 
-def dense_tree_attention(q: Tensor, k: Tensor, v: Tensor, last: Tensor, scale: float) -> Tensor:
+def dense_tree_attention(
+    q: Tensor, k: Tensor, v: Tensor, last: Tensor, scale: float, prefix: Sequence[Tuple[Tensor, Tensor]] = ()
+) -> Tensor:
     """Tree attention with an explicit mask.
 
     Args:
         q: ``[U, heads, head_dim]``; k, v: ``[U, kv_heads, head_dim]`` (GQA repeated here).
         last: ``[U]`` packed index of the last token of each token's subtree.
         scale: softmax scale.
+        prefix: cached ``(k, v)`` pairs every query sees (streaming replay).
 
     Returns:
         ``[U, heads, head_dim]`` in the dtype of ``q``.
     """
+    n = q.shape[0]
+    mask = visibility_mask(last)
+    if prefix:
+        k = torch.cat([pk for pk, _ in prefix] + [k])
+        v = torch.cat([pv for _, pv in prefix] + [v])
+        mask = torch.cat([torch.ones(n, k.shape[0] - n, dtype=torch.bool, device=mask.device), mask], 1)
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
-    # [U, h, d] x [U, h, d] -> [h, U, U]
+    # [n, h, d] x [P + n, h, d] -> [h, n, P + n]
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
-    scores = scores.masked_fill(~visibility_mask(last), float("-inf"))
+    scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)

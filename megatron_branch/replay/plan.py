@@ -1,0 +1,179 @@
+"""Split a packed tree into replay units: stems (cached) and chunks (forward+backward).
+
+A *unit* is a contiguous packed range ``[start, end)`` run in one model forward. A
+*stem* unit is forwarded once, its per-layer K/V cached and pushed on a stack; the units
+below it attend to every cached token (all of them are ancestors) and, when they are
+done, the stem's own backward runs and it is popped. A *chunk* unit is forwarded,
+its rollouts' loss evaluated and backpropagated at once.
+
+The walk is depth-first, so memory holds the caches along the current path plus one
+unit. Every unit has at most ``max_chunk_tokens`` tokens: a segment longer than that is
+cut into consecutive stem units.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from megatron_branch.tree import BranchTree
+
+
+@dataclass(frozen=True)
+class ReplayOp:
+    """One step of a replay plan.
+
+    ``kind`` is ``"stem"`` (forward ``[start, end)`` and push its cache), ``"chunk"``
+    (forward, loss and backward of ``[start, end)``) or ``"pop"`` (the final backward of
+    the stem on top of the stack, then pop it).
+    """
+
+    kind: str
+    start: int = 0
+    end: int = 0
+
+
+class _Planner:
+    def __init__(self, tree: BranchTree, budget: int, group_of_root: Optional[Dict[int, int]]):
+        self.tree = tree
+        self.budget = budget
+        self.seg_at = {s.start: s for s in tree.segments}
+        self.ops: List[ReplayOp] = []
+        self.group_of_root = group_of_root or {}
+
+    def forest(self, lo: int, hi: int) -> None:
+        """Sibling subtrees tiling ``[lo, hi)``."""
+        subtrees = []
+        pos = lo
+        while pos < hi:
+            seg = self.seg_at[pos]
+            subtrees.append((seg.start, seg.end, seg.subtree_end))
+            pos = seg.subtree_end
+        spans = self._spans(subtrees)
+        group_lo = group_hi = None
+        for span in spans:
+            s0, s1 = span[0][0], span[-1][2]
+            if s1 - s0 <= self.budget:
+                if group_lo is not None and s1 - group_lo > self.budget:
+                    self.ops.append(ReplayOp("chunk", group_lo, group_hi))
+                    group_lo = None
+                group_lo = s0 if group_lo is None else group_lo
+                group_hi = s1
+                continue
+            if group_lo is not None:
+                self.ops.append(ReplayOp("chunk", group_lo, group_hi))
+                group_lo = None
+            if len(span) > 1:
+                raise ValueError(
+                    f"group_ids: a group's rollouts span {s1 - s0} tokens below their shared "
+                    f"stem (packed {s0}..{s1}); max_chunk_tokens must be at least {s1 - s0}"
+                )
+            self.subtree(*span[0])
+        if group_lo is not None:
+            self.ops.append(ReplayOp("chunk", group_lo, group_hi))
+
+    def subtree(self, start: int, end: int, subtree_end: int) -> None:
+        """The chain ``[start, end)`` and everything below it (ends at ``subtree_end``)."""
+        if subtree_end - start <= self.budget:
+            self.ops.append(ReplayOp("chunk", start, subtree_end))
+            return
+        stem_end = min(end, start + self.budget)
+        self.ops.append(ReplayOp("stem", start, stem_end))
+        if stem_end < end:
+            self.subtree(stem_end, end, subtree_end)
+        else:
+            self.forest(end, subtree_end)
+        self.ops.append(ReplayOp("pop"))
+
+    def _spans(self, subtrees):
+        """Sibling subtrees merged into contiguous spans that keep groups together."""
+        if not self.group_of_root:
+            return [[s] for s in subtrees]
+        first: Dict[int, int] = {}
+        reach = list(range(len(subtrees)))
+        for i, (s0, _, s1) in enumerate(subtrees):
+            for g in self._groups_in(s0, s1):
+                if g in first:
+                    reach[first[g]] = max(reach[first[g]], i)
+                else:
+                    first[g] = i
+        spans, i = [], 0
+        while i < len(subtrees):
+            j, far = i, reach[i]
+            while j < far:
+                j += 1
+                far = max(far, reach[j])
+            spans.append(subtrees[i : far + 1])
+            i = far + 1
+        return spans
+
+    def _groups_in(self, lo: int, hi: int):
+        return {g for idx, g in self.group_of_root.items() if lo <= idx < hi}
+
+
+def plan_replay(
+    tree: BranchTree, max_chunk_tokens: Optional[int], group_ids: Optional[Sequence[int]] = None
+) -> List[ReplayOp]:
+    """The replay plan of ``tree``.
+
+    Args:
+        tree: the packed rollouts.
+        max_chunk_tokens: most tokens per unit; ``None`` runs the whole tree as one chunk.
+        group_ids: ``[R]`` ids; rollouts with the same id have their loss evaluated in
+            the same call (e.g. DPO pairs).
+
+    Raises:
+        ValueError: a non-positive budget, ``group_ids`` of the wrong length, or a group
+            that cannot fit one chunk (the message gives the budget needed).
+    """
+    U = tree.unique_positions
+    if max_chunk_tokens is None:
+        return [ReplayOp("chunk", 0, U)]
+    if int(max_chunk_tokens) < 1:
+        raise ValueError(f"max_chunk_tokens: must be a positive number of tokens, got {max_chunk_tokens}")
+    group_of_last = None
+    if group_ids is not None:
+        if len(group_ids) != tree.num_rollouts:
+            raise ValueError(f"group_ids: {len(group_ids)} entries for {tree.num_rollouts} rollouts")
+        ends = last_token(tree)
+        group_of_last = {int(ends[r]): int(g) for r, g in enumerate(group_ids)}
+    planner = _Planner(tree, int(max_chunk_tokens), group_of_last)
+    planner.forest(0, U)
+    ops = planner.ops
+    if group_ids is not None:
+        _check_groups(tree, ops, group_ids)
+    return ops
+
+
+def last_token(tree: BranchTree) -> np.ndarray:
+    """``[R]`` packed index of each rollout's last token."""
+    rows = tree.rows.numpy()
+    return rows[np.arange(tree.num_rollouts), tree.lengths.numpy() - 1]
+
+
+def unit_of_rollouts(tree: BranchTree, ops: Sequence[ReplayOp]) -> Dict[int, List[int]]:
+    """``op index -> rollouts whose last token lies in that unit``."""
+    starts = [(op.start, i) for i, op in enumerate(ops) if op.kind != "pop"]
+    starts.sort()
+    keys = np.array([s for s, _ in starts])
+    owner: Dict[int, List[int]] = {}
+    for r, idx in enumerate(last_token(tree)):
+        pos = int(np.searchsorted(keys, idx, side="right")) - 1
+        owner.setdefault(starts[pos][1], []).append(r)
+    return owner
+
+
+def _check_groups(tree, ops, group_ids) -> None:
+    unit_of = {}
+    for op_idx, rollouts in unit_of_rollouts(tree, ops).items():
+        for r in rollouts:
+            unit_of[r] = op_idx
+    seen: Dict[int, int] = {}
+    for r, g in enumerate(group_ids):
+        if seen.setdefault(int(g), unit_of[r]) != unit_of[r]:
+            raise ValueError(
+                f"group_ids: group {int(g)} has rollouts ending inside a shared stem and below "
+                f"it; raise max_chunk_tokens so the group's subtree fits one chunk"
+            )

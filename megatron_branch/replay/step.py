@@ -1,0 +1,270 @@
+"""``replay_step``: a memory-bounded branch-replay forward/backward with a user's loss.
+
+The tree is walked depth first (:mod:`megatron_branch.replay.plan`). A stem unit is
+forwarded once and its per-layer K/V cached (:mod:`megatron_branch.prefix_cache`); its
+log-probs are handed to the loss as leaf tensors. Each chunk below it attends to the
+cache, evaluates ``loss_fn`` on the rollouts that end in it, and runs its backward at
+once, which accumulates parameter gradients, the stem's ``dK/dV`` and the gradients of
+the stem's log-probs. When a stem's subtree is done, one backward of the stem feeds in
+everything accumulated. The result equals ``loss.backward()`` over all rollouts.
+
+Costs (U = unique positions, S = tokens in stem units):
+
+* ``prefix_grad="exact"``, ``recompute_stem=False``: forward U, backward U; memory holds
+  the activations of the stems on the current path plus one chunk.
+* ``prefix_grad="exact"``, ``recompute_stem=True``: forward U + S, backward U; memory
+  holds only the stems' K/V (2 x kv_heads x head_dim per token per layer) plus one chunk.
+* ``prefix_grad="detached"`` (tail-only): forward U, backward U - S; the stem is a
+  constant, so its parameters get no gradient through it — cheaper and biased
+  (:func:`prefix_grad_bias` measures how much).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Literal, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from megatron_branch.logprobs import check_model, child_logprobs, model_device
+from megatron_branch.memory import PeakMemory
+from megatron_branch.packed_seq import BranchPackedSeqParams
+from megatron_branch.prefix_cache import StemCache
+from megatron_branch.replay.plan import ReplayOp, plan_replay, unit_of_rollouts
+from megatron_branch.tree import BranchTree
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+PrefixGrad = Literal["exact", "detached"]
+
+
+@dataclass
+class ReplayStats:
+    """What a replay step did.
+
+    Attributes:
+        loss: the step's total loss (sum of ``loss_fn`` over chunks).
+        num_chunks: chunk units (forward + loss + backward).
+        num_stems: stem units (forwarded once, K/V cached).
+        unique_positions: packed tree size ``U``.
+        naive_positions: ``sum(len(rollout))``.
+        positions_forwarded: token positions run through the model, recompute included.
+        positions_recomputed: stem positions forwarded a second time.
+        peak_cache_bytes: most K/V bytes held in the prefix cache at once.
+        peak_memory_bytes: peak bytes allocated during the step (``measure_memory``).
+        prefix_grad: ``"exact"`` or ``"detached"``.
+    """
+
+    loss: float
+    num_chunks: int
+    num_stems: int
+    unique_positions: int
+    naive_positions: int
+    positions_forwarded: int
+    positions_recomputed: int
+    peak_cache_bytes: int
+    peak_memory_bytes: Optional[int]
+    prefix_grad: str
+
+
+@dataclass
+class _Stem:
+    cache: StemCache
+    children: Tensor  # packed indices whose parent lies in the stem
+    lp_leaf: Tensor  # their log-probs, as a leaf
+    lp_graph: Optional[Tensor]  # the same with the stem's graph (kept activations)
+
+
+class _Replayer:
+    def __init__(self, model, tree: BranchTree, loss_fn: LossFn, exact: bool, recompute_stem: bool):
+        self.model, self.tree, self.loss_fn = model, tree, loss_fn
+        self.exact, self.recompute_stem = exact, recompute_stem
+        self.grad_on = torch.is_grad_enabled()
+        self.device = model_device(model)
+        self.stack: List[_Stem] = []
+        self.total = 0.0
+        self.forwarded = self.recomputed = self.peak_cache = 0
+        parents = tree.parents.numpy()
+        self._order = np.argsort(parents, kind="stable")
+        self._sorted_parents = parents[self._order]
+
+    def _children_of(self, start: int, end: int) -> Tensor:
+        lo, hi = np.searchsorted(self._sorted_parents, [start, end])
+        return torch.from_numpy(np.sort(self._order[lo:hi]))
+
+    def forward_unit(self, start: int, end: int, **cache):
+        tree, device = self.tree, self.device
+        params = BranchPackedSeqParams.for_unit(
+            tree, start, end, device, prefix=[s.cache for s in self.stack], **cache
+        )
+        ids = tree.tokens[start:end].to(device).unsqueeze(0)  # [1, n]
+        pos = tree.positions[start:end].to(device).unsqueeze(0)
+        logits = self.model(ids, pos, attention_mask=None, packed_seq_params=params)[0]  # [n, V/tp]
+        self.forwarded += end - start
+        children = self._children_of(start, end)
+        rows = (tree.parents[children] - start).to(device)
+        lp, _ = child_logprobs(logits, rows, tree.tokens[children].to(device))
+        return children, lp
+
+    def evaluate(self, rollouts: Sequence[int], own: Optional[tuple] = None) -> None:
+        """loss_fn on ``rollouts`` from the stack's leaves (and this unit's graph)."""
+        lp_vec = torch.zeros(self.tree.unique_positions, dtype=torch.float32, device=self.device)
+        for stem in self.stack:
+            lp_vec = lp_vec.index_put((stem.children.to(self.device),), stem.lp_leaf)
+        if own is not None:
+            lp_vec = lp_vec.index_put((own[0].to(self.device),), own[1])
+        ids = torch.tensor(rollouts, dtype=torch.long)
+        rows = self.tree.rows[ids, 1:].to(self.device)
+        lp = torch.where(rows >= 0, lp_vec[rows.clamp(min=0)], torch.zeros((), device=self.device))
+        loss = self.loss_fn(lp, ids)
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+            raise ValueError(f"loss_fn: must return a scalar tensor, got {shape}")
+        self.total += float(loss.detach())
+        if self.grad_on and loss.requires_grad:
+            loss.backward()
+
+    def stem(self, op: ReplayOp, rollouts: Sequence[int]) -> None:
+        cache = StemCache(op.start, op.end, requires_grad=self.exact)
+        keep = self.exact and not self.recompute_stem
+        ctx = contextlib.nullcontext() if keep else torch.no_grad()
+        with ctx:
+            children, lp = self.forward_unit(op.start, op.end, record=cache, inject=keep)
+        leaf = lp.detach().requires_grad_(self.exact)
+        self.stack.append(_Stem(cache, children, leaf, lp if keep else None))
+        self.peak_cache = max(self.peak_cache, sum(s.cache.nbytes() for s in self.stack))
+        if rollouts:
+            self.evaluate(rollouts)
+
+    def pop(self) -> None:
+        stem = self.stack.pop()
+        if not self.exact:
+            return
+        lp = stem.lp_graph
+        if lp is None:  # recompute the stem's forward, now with its graph
+            _, lp = self.forward_unit(stem.cache.start, stem.cache.end, record=stem.cache, inject=True)
+            self.recomputed += stem.cache.end - stem.cache.start
+        grad = stem.lp_leaf.grad if stem.lp_leaf.grad is not None else torch.zeros_like(lp)
+        # Also adds every layer's accumulated dK/dV through the InjectGrad nodes.
+        torch.autograd.backward([lp], [grad])
+
+    def chunk(self, op: ReplayOp, rollouts: Sequence[int]) -> None:
+        own = self.forward_unit(op.start, op.end)
+        self.evaluate(rollouts, own)
+
+
+def replay_step(
+    model,
+    tree: BranchTree,
+    loss_fn: LossFn,
+    *,
+    max_chunk_tokens: Optional[int] = None,
+    prefix_grad: PrefixGrad = "exact",
+    recompute_stem: bool = False,
+    group_ids: Optional[Sequence[int]] = None,
+    measure_memory: bool = False,
+) -> ReplayStats:
+    """One branch-replay forward/backward of ``loss_fn`` over the rollouts of ``tree``.
+
+    Args:
+        model: a GPTModel (or wrapper) built with :func:`get_branch_layer_spec`.
+        tree: the packed rollouts.
+        loss_fn: ``(lp [r, max_len - 1], rollout_ids [r]) -> scalar``, called once per
+            chunk with the rollouts that end in it (``lp`` as from ``rollout_logprobs``).
+            The step's loss is the sum over calls, so the loss must be additive over
+            rollouts: normalise by global counts (``mb.losses`` ``global_tokens`` /
+            ``global_seqs``).
+        max_chunk_tokens: most tokens per forward; ``None`` runs one packed pass.
+        prefix_grad: ``"exact"`` (gradients equal per-rollout training) or
+            ``"detached"`` (tail-only: stems are constants).
+        recompute_stem: recompute each stem's forward for its backward instead of
+            keeping its activations (exact mode only; trades compute for memory).
+        group_ids: ``[R]``; rollouts with equal ids reach ``loss_fn`` together (DPO pairs).
+        measure_memory: record ``peak_memory_bytes`` (slower on CPU).
+
+    Returns:
+        :class:`ReplayStats`. Parameter ``.grad`` hold the accumulated gradient, as after
+        ``loss.backward()``. Under ``torch.no_grad()`` nothing is backpropagated.
+
+    Raises:
+        ValueError: the model lacks tree attention, a bad ``prefix_grad`` or budget, a
+            ``loss_fn`` that does not return a scalar, or groups that cannot fit.
+    """
+    if prefix_grad not in ("exact", "detached"):
+        raise ValueError(f"prefix_grad: {prefix_grad!r} is not one of ('exact', 'detached')")
+    check_model(model, tree)
+    ops = plan_replay(tree, max_chunk_tokens, group_ids)
+    owners: Dict[int, List[int]] = unit_of_rollouts(tree, ops)
+    exact = prefix_grad == "exact" and torch.is_grad_enabled()
+    run = _Replayer(model, tree, loss_fn, exact, recompute_stem)
+    meter = PeakMemory(run.device) if measure_memory else contextlib.nullcontext()
+    with meter:
+        for i, op in enumerate(ops):
+            if op.kind == "stem":
+                run.stem(op, owners.get(i, []))
+            elif op.kind == "chunk":
+                run.chunk(op, owners.get(i, []))
+            else:
+                run.pop()
+    return ReplayStats(
+        loss=run.total,
+        num_chunks=sum(op.kind == "chunk" for op in ops),
+        num_stems=sum(op.kind == "stem" for op in ops),
+        unique_positions=tree.unique_positions,
+        naive_positions=tree.naive_positions,
+        positions_forwarded=run.forwarded,
+        positions_recomputed=run.recomputed,
+        peak_cache_bytes=run.peak_cache,
+        peak_memory_bytes=meter.peak_bytes if measure_memory else None,
+        prefix_grad=prefix_grad,
+    )
+
+
+def replay_logprobs(model, tree: BranchTree, *, max_chunk_tokens: Optional[int] = None) -> Tensor:
+    """Forward-only ``[R, max_len - 1]`` log-probs with the same chunking (old/ref policy).
+
+    Runs under ``torch.no_grad()``; memory is bounded like :func:`replay_step`'s.
+    """
+    out = torch.zeros(tree.num_rollouts, max(tree.max_len - 1, 0), dtype=torch.float32)
+
+    def collect(lp: Tensor, ids: Tensor) -> Tensor:
+        out[ids] = lp.detach().float().cpu()
+        return lp.new_zeros(())
+
+    with torch.no_grad():
+        replay_step(model, tree, collect, max_chunk_tokens=max_chunk_tokens)
+    return out.to(model_device(model))
+
+
+def _flat_grads(model) -> Tensor:
+    return torch.cat([
+        (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().reshape(-1)
+        for p in model.parameters()
+    ])
+
+
+def prefix_grad_bias(model, tree: BranchTree, loss_fn: LossFn, **kwargs) -> Dict[str, float]:
+    """How far the tail-only gradient is from the exact one, for the same step.
+
+    Runs the step in both modes (parameter ``.grad`` are restored afterwards) and
+    returns ``cosine`` (cosine similarity), ``rel_norm`` (``|g_detached| / |g_exact|``)
+    and ``rel_error`` (``|g_detached - g_exact| / |g_exact|``).
+    """
+    saved = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    grads = {}
+    for mode in ("exact", "detached"):
+        for p in model.parameters():
+            p.grad = None
+        replay_step(model, tree, loss_fn, prefix_grad=mode, **kwargs)
+        grads[mode] = _flat_grads(model)
+    for p, g in zip(model.parameters(), saved):
+        p.grad = g
+    exact, detached = grads["exact"], grads["detached"]
+    norm = exact.norm().clamp(min=1e-30)
+    return {
+        "cosine": float(torch.nn.functional.cosine_similarity(exact, detached, dim=0)),
+        "rel_norm": float(detached.norm() / norm),
+        "rel_error": float((detached - exact).norm() / norm),
+    }
