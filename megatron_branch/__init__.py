@@ -9,6 +9,7 @@ to running each rollout separately.
     tree = mb.BranchTree.from_sequences(rollouts)
     model = GPTModel(config, mb.get_branch_layer_spec(normalization="RMSNorm"), ...)
     lp = mb.rollout_logprobs(model, tree)  # [R, max_len - 1], differentiable
+    stats = mb.replay_step(model, tree, loss_fn, max_chunk_tokens=4096)  # memory-bounded
 """
 
 from megatron_branch import losses
@@ -16,6 +17,7 @@ from megatron_branch.attention.core_attention import BranchCoreAttention
 from megatron_branch.cpu import enable_cpu
 from megatron_branch.logprobs import rollout_logprobs
 from megatron_branch.packed_seq import BranchPackedSeqParams
+from megatron_branch.replay import ReplayStats, prefix_grad_bias, replay_logprobs, replay_step
 from megatron_branch.self_attention import BranchSelfAttention
 from megatron_branch.spec import get_branch_layer_spec, is_branch_model
 from megatron_branch.tree import BranchSegment, BranchTree
@@ -32,5 +34,9 @@ __all__ = [
     "get_branch_layer_spec",
     "is_branch_model",
     "losses",
+    "prefix_grad_bias",
+    "replay_logprobs",
+    "replay_step",
+    "ReplayStats",
     "rollout_logprobs",
 ]
