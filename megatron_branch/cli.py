@@ -8,6 +8,7 @@ import warnings
 from typing import List, Optional
 
 from megatron_branch import demo
+from megatron_branch.bench import run as bench_run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +29,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_arguments(p_demo)
     p_demo.set_defaults(func=demo.main)
+    p_bench = sub.add_parser(
+        "bench",
+        help="branch replay vs naive and peer methods: time, FLOPs, memory, exactness",
+        description=bench_run.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench_run.add_arguments(p_bench)
+    p_bench.set_defaults(func=bench_run.main)
     return parser
 
 

@@ -65,11 +65,16 @@ class BranchPackedSeqParams(PackedSeqParams):
         The range must be closed under "descendant of a token in it, up to ``end``":
         segments are clipped to it; ancestors outside it come from ``cache['prefix']``.
         """
-        segments = []
-        for seg in tree.segments:
-            if seg.start < end and seg.end > start:
-                lo, hi = max(seg.start, start), min(seg.end, end)
-                segments.append(BranchSegment(lo - start, hi - start, min(seg.subtree_end, end) - start, -1))
+        segments: List[BranchSegment] = []
+        local = {}  # global segment -> local index, for parent links inside the unit
+        for seg in tree.segments_in(start, end):
+            lo, hi = max(seg.start, start), min(seg.end, end)
+            local[id(seg)] = len(segments)
+            parent = tree.segments[seg.parent] if seg.parent >= 0 else None
+            segments.append(BranchSegment(
+                lo - start, hi - start, min(seg.subtree_end, end) - start,
+                local.get(id(parent), -1) if lo == seg.start else -1,
+            ))
         positions = tree.positions[start:end]
         last = tree.last[start:end].clamp(max=end - 1) - start
         rope_len = int(positions.max()) + 1

@@ -100,7 +100,10 @@ class BranchTree:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_sequences(
-        cls, sequences: Sequence[Rollout], vocab_size: Optional[int] = None
+        cls,
+        sequences: Sequence[Rollout],
+        vocab_size: Optional[int] = None,
+        share_limit: Optional[Union[int, Sequence[int]]] = None,
     ) -> "BranchTree":
         """Build the tree of a batch of rollouts.
 
@@ -109,6 +112,9 @@ class BranchTree:
                 token ids (prompt and response together). Identical rollouts, rollouts that
                 are prefixes of others and single-token rollouts are all allowed.
             vocab_size: if given, every token id must be ``< vocab_size``.
+            share_limit: tokens at depth ``>= share_limit[r]`` of rollout ``r`` are never
+                shared (an int applies to all). ``0`` packs without deduplication; the
+                prompt length shares only prompts. For baselines and benchmarks.
 
         Returns:
             The packed tree.
@@ -129,10 +135,17 @@ class BranchTree:
                         f"rollout {i}: tokens contains id {int(a.max())} outside the "
                         f"vocabulary of size {vocab_size}"
                     )
-        return cls._build(arrays)
+        limits = None
+        if share_limit is not None:
+            limits = np.asarray(share_limit, dtype=np.int64)
+            if limits.ndim == 0:
+                limits = np.full(len(arrays), int(limits), dtype=np.int64)
+            if limits.shape != (len(arrays),):
+                raise ValueError(f"share_limit: needs one entry per rollout ({len(arrays)}), got {limits.shape}")
+        return cls._build(arrays, limits)
 
     @classmethod
-    def _build(cls, arrays: List[np.ndarray]) -> "BranchTree":
+    def _build(cls, arrays: List[np.ndarray], limits: Optional[np.ndarray] = None) -> "BranchTree":
         num = len(arrays)
         lengths = np.array([a.size for a in arrays], dtype=np.int64)
         max_len = int(lengths.max())
@@ -149,6 +162,9 @@ class BranchTree:
             diff = smat[1:] != smat[:-1]  # [R-1, max_len]
             first = np.where(diff.any(axis=1), diff.argmax(axis=1), max_len)
             lcp[1:] = np.minimum(first, np.minimum(slen[1:], slen[:-1]))
+            if limits is not None:
+                slim = limits[order]
+                lcp[1:] = np.minimum(lcp[1:], np.minimum(slim[1:], slim[:-1]))
         new = slen - lcp  # tokens each sorted rollout adds to the trie
         offset = np.zeros(num + 1, dtype=np.int64)
         np.cumsum(new, out=offset[1:])
@@ -281,6 +297,19 @@ class BranchTree:
         """Number of visible (query, key) pairs: the tree's real attention work."""
         return int(sum((s.end - s.start) * (s.end - s.start + 1) // 2
                        + (s.end - s.start) * (s.subtree_end - s.end) for s in self.segments))
+
+    def segments_in(self, start: int, end: int) -> List[BranchSegment]:
+        """Segments overlapping the packed range ``[start, end)`` (binary search)."""
+        ends = getattr(self, "_segment_ends", None)
+        if ends is None:
+            ends = self._segment_ends = np.array([s.end for s in self.segments], dtype=np.int64)
+        first = int(np.searchsorted(ends, start, side="right"))
+        out = []
+        for seg in self.segments[first:]:
+            if seg.start >= end:
+                break
+            out.append(seg)
+        return out
 
     def to(self, device: Union[str, torch.device]) -> "BranchTree":
         """Copy of the tree with its tensors on ``device``."""

@@ -53,6 +53,20 @@ def test_dense_matches_per_query_reference(heads, kv_heads):
     assert (out.double() - ref).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (4, 4)])
+def test_repeated_kv_matches_dense(heads, kv_heads):
+    from megatron_branch.attention.repeat_kv import repeated_kv_attention
+
+    tree = _tree(5)
+    q, k, v = _qkv(tree.unique_positions, heads, kv_heads, 16)
+    ref = dense_tree_attention(q, k, v, tree.last, 0.25)
+    out = repeated_kv_attention(q, k, v, tree.segments, 0.25)
+    g = torch.randn_like(ref)
+    assert (out - ref).abs().max() < 1e-5
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+        assert (a - b).abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("kernel", ["flash_cpu", "math"])
 @pytest.mark.parametrize("q_block, k_block", [(None, None), (7, 5), (3, None), (1, 1)])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 2), (4, 4)])

@@ -74,7 +74,7 @@ def grpo_loss_fn(batch):
 
 
 @pytest.mark.parametrize("tree_name", list(TREES))
-@pytest.mark.parametrize("backend", ["cascade", "dense"])
+@pytest.mark.parametrize("backend", ["cascade", "dense", "repeat_kv"])
 def test_logprobs_loss_and_every_gradient_match_naive(tree_name, backend):
     batch = TREES[tree_name]()
     branch, stock = make_pair(backend=backend)

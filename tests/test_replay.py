@@ -279,3 +279,23 @@ def test_budget_below_the_longest_segment_splits_it():
     assert covered[0][0] == 0 and covered[-1][1] == tree.unique_positions
     assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
     assert set(last_token(tree)) <= set(range(tree.unique_positions))
+
+
+@pytest.mark.parametrize("backend, budget", [("cascade", None), ("dense", None), ("repeat_kv", None),
+                                             ("dense", 12), ("cascade", 12)])
+def test_replay_with_every_backend(backend, budget):
+    batch = multi_level_forest()
+    tree = mb.BranchTree.from_sequences(batch.sequences)
+    branch, stock = make_pair(backend=backend)
+    loss = Loss(batch)
+    _, ref_grads = naive_truth(stock, batch, loss)
+    replay_step(branch, tree, loss, max_chunk_tokens=budget)
+    assert max(compare_grads(grads(branch), ref_grads).values()) < TOL
+
+
+def test_repeat_kv_backend_refuses_streaming():
+    batch = one_prompt_tails()
+    tree = mb.BranchTree.from_sequences(batch.sequences)
+    branch, _ = make_pair(backend="repeat_kv")
+    with pytest.raises(ValueError, match="repeat_kv"):
+        replay_step(branch, tree, Loss(batch), max_chunk_tokens=20)

@@ -122,3 +122,15 @@ def test_bad_rollouts_raise_naming_the_rollout(seqs, match):
 def test_token_outside_vocabulary_names_the_rollout():
     with pytest.raises(ValueError, match="rollout 2: tokens contains id 50 outside the vocabulary of size 50"):
         BranchTree.from_sequences([[1, 2], [3], [4, 50]], vocab_size=50)
+
+
+def test_share_limit():
+    seqs = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 5]]
+    assert BranchTree.from_sequences(seqs).unique_positions == 5
+    assert BranchTree.from_sequences(seqs, share_limit=0).unique_positions == 12
+    prompt_only = BranchTree.from_sequences(seqs, share_limit=[2, 2, 2])
+    assert prompt_only.unique_positions == 2 + 3 * 2
+    for r, s in enumerate(seqs):
+        assert prompt_only.sequence(r).tolist() == s
+    with pytest.raises(ValueError, match="share_limit"):
+        BranchTree.from_sequences(seqs, share_limit=[1, 2])

@@ -129,9 +129,15 @@ class CascadeAttentionFunction(torch.autograd.Function):
         n, h, d = q.shape
         out = torch.zeros(n, h, v.shape[-1], dtype=torch.float32, device=q.device)
         lse = torch.full((h, n), float("-inf"), dtype=torch.float32, device=q.device)
+        fresh = torch.ones(n, dtype=torch.bool)  # queries no piece has written yet
         for p in pieces:
             o, l = fwd(q[p.q_lo:p.q_hi], ke[p.k_lo:p.k_hi], ve[p.k_lo:p.k_hi], p.causal, scale)
-            _merge(out, lse, p.q_lo, p.q_hi, o, l)
+            if bool(fresh[p.q_lo:p.q_hi].all()):  # first piece of these queries: no merge
+                out[p.q_lo:p.q_hi] = o
+                lse[:, p.q_lo:p.q_hi] = l
+                fresh[p.q_lo:p.q_hi] = False
+            else:
+                _merge(out, lse, p.q_lo, p.q_hi, o, l)
         q_block, k_block = blocks
         groups = k.shape[1]
         for pk, pv in zip(prefix[0::2], prefix[1::2]):

@@ -18,12 +18,13 @@ from torch import Tensor
 from megatron_branch._megatron import AttnMaskType, MegatronModule, TransformerConfig
 from megatron_branch.attention.cascade import cascade_attention
 from megatron_branch.attention.dense import dense_tree_attention
+from megatron_branch.attention.repeat_kv import repeated_kv_attention
 from megatron_branch.attention.kernels import KERNELS, default_kernel
 from megatron_branch.packed_seq import BranchPackedSeqParams
 from megatron_branch.prefix_cache import inject, prefix_kv
 
-Backend = Literal["cascade", "dense"]
-BACKENDS = ("cascade", "dense")
+Backend = Literal["cascade", "dense", "repeat_kv"]
+BACKENDS = ("cascade", "dense", "repeat_kv")
 
 
 class BranchCoreAttention(MegatronModule):
@@ -35,6 +36,8 @@ class BranchCoreAttention(MegatronModule):
       (:mod:`megatron_branch.attention.cascade`); cost = the tree's attention work,
       working memory bounded by ``chunk_size`` queries per piece.
     * ``"dense"``: a ``[U, U]`` boolean mask and plain softmax; O(U^2) memory; reference.
+    * ``"repeat_kv"``: per segment, one SDPA call over a copy of its ancestors' K/V
+      (the Prefix-Grouper-style baseline; single pass only).
 
     Without tree data (``packed_seq_params`` not a :class:`BranchPackedSeqParams`) the
     layer computes ordinary causal attention per batch row with torch's fused SDPA, so a
@@ -124,7 +127,11 @@ class BranchCoreAttention(MegatronModule):
                 key, value = inject(key, k_leaf), inject(value, v_leaf)
         prefix = prefix_kv(params.prefix, self.layer_number) if params.prefix else []
         q, k, v = query[:, 0], key[:, 0], value[:, 0]  # [s, 1, h, d] -> [s, h, d]
-        if self.backend == "dense":
+        if self.backend == "repeat_kv":
+            if prefix:
+                raise ValueError("backend: 'repeat_kv' does not support streaming replay")
+            out = repeated_kv_attention(q, k, v, params.segments, self.softmax_scale)
+        elif self.backend == "dense":
             out = dense_tree_attention(q, k, v, params.last, self.softmax_scale, prefix=prefix)
         else:
             kernel = self.kernel or default_kernel(q.device)

@@ -1,0 +1,1 @@
+"""Benchmarks: ``megatron-branch bench``."""

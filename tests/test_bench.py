@@ -1,0 +1,55 @@
+"""``megatron-branch bench``: a tiny shape runs, the JSON schema, the exactness column."""
+
+import json
+import subprocess
+import sys
+
+from megatron_branch.bench.flops import ModelShape, causal_pairs, step_flops
+from megatron_branch.bench.run import BenchConfig, Shape, format_table, plot, run_bench
+
+METHODS = {"naive", "packed", "prompt_once", "dense_tree", "ours", "ours_stream"}
+
+
+def tiny_config():
+    return BenchConfig(
+        hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=128, chunk_tokens=48,
+        repeats=1, shapes=[Shape("G=4", [64], [4], [16]), Shape("multi", [32], [2, 3], [8, 8])],
+    )
+
+
+def test_tiny_bench_report(tmp_path):
+    report = run_bench(tiny_config(), echo=lambda *_: None)
+    assert report["schema_version"] == 1
+    assert len(report["shapes"]) == 2
+    for shape in report["shapes"]:
+        assert shape["unique_positions"] < shape["naive_positions"]
+        assert shape["ideal_flop_ratio"] > 1
+        rows = {r["method"]: r for r in shape["methods"]}
+        assert set(rows) == METHODS
+        for r in rows.values():
+            assert r["kernel"] and r["flops"] > 0
+            assert r["max_rel_grad_diff"] < 1e-5, (shape["shape"], r)  # every method is exact
+            assert r["seconds"] > 0 and r["peak_memory_bytes"] > 0 and r["speedup"] > 0
+        assert rows["naive"]["speedup"] == 1.0
+        assert rows["ours"]["flops"] < rows["naive"]["flops"]
+    table = format_table(report)
+    assert "ideal FLOP ratio" in table and "ours_stream" in table
+    plot(report, str(tmp_path / "bench.png"))
+    assert (tmp_path / "bench.png").stat().st_size > 10_000
+    json.dumps(report)
+
+
+def test_flops_by_hand():
+    shape = ModelShape(num_layers=1, hidden_size=4, num_attention_heads=2, num_query_groups=1,
+                       ffn_hidden_size=8, vocab_size=10, gated=True)
+    # qkv 4*(4+2*2)=32, proj 16, mlp 4*8*3=96 -> 144 params; output 40
+    flops = step_flops(shape, positions=3, attention_pairs=causal_pairs(3))
+    assert flops["linear"] == 6 * 3 * (144 + 40)
+    assert flops["attention"] == 12 * 6 * 2 * 2
+    assert flops["total"] == flops["linear"] + flops["attention"]
+
+
+def test_bench_cli_help():
+    proc = subprocess.run([sys.executable, "-m", "megatron_branch.cli", "bench", "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "--quick" in proc.stdout
