@@ -11,7 +11,7 @@ because the node is created in whichever forward builds the graph.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -25,6 +25,7 @@ class StemCache:
     end: int
     requires_grad: bool = False
     kv: Dict[int, Tuple[Tensor, Tensor]] = field(default_factory=dict)
+    cp: Optional[object] = None  # the CPLayout the K/V are sharded by, if any
 
     def record(self, layer_number: int, key: Tensor, value: Tensor) -> Tuple[Tensor, Tensor]:
         """Store the layer's K/V once (a recompute of the same forward keeps the first).
@@ -75,5 +76,17 @@ def inject(x: Tensor, leaf: Tensor) -> Tensor:
 
 
 def prefix_kv(stems: List[StemCache], layer_number: int) -> List[Tuple[Tensor, Tensor]]:
-    """The cached (k, v) of ``layer_number`` for every stem on the path, root first."""
-    return [s.kv[layer_number] for s in stems]
+    """The cached (k, v) of ``layer_number`` for every stem on the path, root first.
+
+    Under context parallelism each stem's K/V are sharded; they are all-gathered here
+    (differentiably: the backward sends each shard's ``dK``/``dV`` back to its owner).
+    """
+    from megatron_branch.context_parallel import gather_rows
+
+    out = []
+    for s in stems:
+        k, v = s.kv[layer_number]
+        if s.cp is not None:
+            k, v = gather_rows(k, s.cp, everything=True), gather_rows(v, s.cp, everything=True)
+        out.append((k, v))
+    return out

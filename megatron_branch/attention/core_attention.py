@@ -19,6 +19,7 @@ from megatron_branch._megatron import AttnMaskType, MegatronModule, TransformerC
 from megatron_branch.attention.cascade import cascade_attention
 from megatron_branch.attention.dense import dense_tree_attention
 from megatron_branch.attention.repeat_kv import repeated_kv_attention
+from megatron_branch.context_parallel import gather_rows
 from megatron_branch.attention.kernels import KERNELS, default_kernel
 from megatron_branch.packed_seq import BranchPackedSeqParams
 from megatron_branch.prefix_cache import inject, prefix_kv
@@ -122,11 +123,17 @@ class BranchCoreAttention(MegatronModule):
         params = packed_seq_params
         if params.record is not None:
             # Streaming replay: this forward is a stem; cache its K/V (after RoPE).
+            params.record.cp = params.cp
             k_leaf, v_leaf = params.record.record(self.layer_number, key, value)
             if params.inject:
                 key, value = inject(key, k_leaf), inject(value, v_leaf)
         prefix = prefix_kv(params.prefix, self.layer_number) if params.prefix else []
         q, k, v = query[:, 0], key[:, 0], value[:, 0]  # [s, 1, h, d] -> [s, h, d]
+        if params.cp is not None:
+            if self.backend != "cascade":
+                raise ValueError(f"backend: context parallelism needs 'cascade', got {self.backend!r}")
+            # [n_local, hk, d] -> [n_unit, hk, d]: keys of every shard this rank's queries see
+            k, v = gather_rows(k, params.cp), gather_rows(v, params.cp)
         if self.backend == "repeat_kv":
             if prefix:
                 raise ValueError("backend: 'repeat_kv' does not support streaming replay")

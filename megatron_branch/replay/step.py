@@ -25,16 +25,15 @@ import contextlib
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Literal, Optional, Sequence
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from megatron_branch.logprobs import check_model, child_logprobs, model_device
 from megatron_branch.memory import PeakMemory
-from megatron_branch.packed_seq import BranchPackedSeqParams
 from megatron_branch.prefix_cache import StemCache
 from megatron_branch.replay.plan import ReplayOp, plan_replay, unit_of_rollouts
+from megatron_branch.scoring import check_model, model_device
 from megatron_branch.tree import BranchTree
+from megatron_branch.unit import ChildIndex, forward_unit
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 PrefixGrad = Literal["exact", "detached"]
@@ -78,35 +77,25 @@ class _Stem:
 
 
 class _Replayer:
-    def __init__(self, model, tree: BranchTree, loss_fn: LossFn, exact: bool, recompute_stem: bool):
+    def __init__(self, model, tree: BranchTree, loss_fn: LossFn, exact: bool, recompute_stem: bool,
+                 cp_comm_type: str):
         self.model, self.tree, self.loss_fn = model, tree, loss_fn
         self.exact, self.recompute_stem = exact, recompute_stem
+        self.cp_comm_type = cp_comm_type
         self.grad_on = torch.is_grad_enabled()
         self.device = model_device(model)
         self.stack: List[_Stem] = []
         self.total = 0.0
         self.forwarded = self.recomputed = self.peak_cache = 0
-        parents = tree.parents.numpy()
-        self._order = np.argsort(parents, kind="stable")
-        self._sorted_parents = parents[self._order]
-
-    def _children_of(self, start: int, end: int) -> Tensor:
-        lo, hi = np.searchsorted(self._sorted_parents, [start, end])
-        return torch.from_numpy(np.sort(self._order[lo:hi]))
+        self.children = ChildIndex(tree)
 
     def forward_unit(self, start: int, end: int, **cache):
-        tree, device = self.tree, self.device
-        params = BranchPackedSeqParams.for_unit(
-            tree, start, end, device, prefix=[s.cache for s in self.stack], **cache
-        )
-        ids = tree.tokens[start:end].to(device).unsqueeze(0)  # [1, n]
-        pos = tree.positions[start:end].to(device).unsqueeze(0)
-        logits = self.model(ids, pos, attention_mask=None, packed_seq_params=params)[0]  # [n, V/tp]
         self.forwarded += end - start
-        children = self._children_of(start, end)
-        rows = (tree.parents[children] - start).to(device)
-        lp, _ = child_logprobs(logits, rows, tree.tokens[children].to(device))
-        return children, lp
+        idx, lp, _ = forward_unit(
+            self.model, self.tree, start, end, self.children, cp_comm_type=self.cp_comm_type,
+            prefix=[s.cache for s in self.stack], **cache,
+        )
+        return idx, lp
 
     def evaluate(self, rollouts: Sequence[int], own: Optional[tuple] = None) -> None:
         """loss_fn on ``rollouts`` from the stack's leaves (and this unit's graph)."""
@@ -165,6 +154,7 @@ def replay_step(
     recompute_stem: bool = False,
     group_ids: Optional[Sequence[int]] = None,
     measure_memory: bool = False,
+    cp_comm_type: str = "allgather",
 ) -> ReplayStats:
     """One branch-replay forward/backward of ``loss_fn`` over the rollouts of ``tree``.
 
@@ -183,6 +173,8 @@ def replay_step(
             keeping its activations (exact mode only; trades compute for memory).
         group_ids: ``[R]``; rollouts with equal ids reach ``loss_fn`` together (DPO pairs).
         measure_memory: record ``peak_memory_bytes`` (slower on CPU).
+        cp_comm_type: context-parallel K/V exchange (``"allgather"`` or ``"p2p"``); the
+            stems' cached K/V stay sharded over the CP ranks.
 
     Returns:
         :class:`ReplayStats`. Parameter ``.grad`` hold the accumulated gradient, as after
@@ -198,7 +190,7 @@ def replay_step(
     ops = plan_replay(tree, max_chunk_tokens, group_ids)
     owners: Dict[int, List[int]] = unit_of_rollouts(tree, ops)
     exact = prefix_grad == "exact" and torch.is_grad_enabled()
-    run = _Replayer(model, tree, loss_fn, exact, recompute_stem)
+    run = _Replayer(model, tree, loss_fn, exact, recompute_stem, cp_comm_type)
     meter = PeakMemory(run.device) if measure_memory else contextlib.nullcontext()
     with meter:
         for i, op in enumerate(ops):

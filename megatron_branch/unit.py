@@ -1,0 +1,108 @@
+"""One model forward over a packed unit of the tree, on every parallel layout.
+
+Shared by :func:`megatron_branch.rollout_logprobs` (the whole tree is one unit) and by
+streaming replay (stems and chunks). Handles sequence-parallel padding, the
+context-parallel split and the gathering of per-token log-probs across CP ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from megatron_branch._megatron import parallel_state
+from megatron_branch.bench.flops import ModelShape
+from megatron_branch.context_parallel import CP_COMM_TYPES, singleton_group, sum_across
+from megatron_branch.scoring import child_logprobs, model_device, unwrap
+from megatron_branch.packed_seq import BranchPackedSeqParams
+from megatron_branch.tree import BranchTree
+
+
+def _cp_group():
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_context_parallel_group()
+
+
+def linear_weight(config) -> float:
+    """Per-token linear work of a layer in units of one attention (query, key) pair."""
+    shape = ModelShape.from_config(config, 0)
+    return 2.0 * shape.linear_params_per_layer() / (4.0 * config.kv_channels * config.num_attention_heads)
+
+
+class ChildIndex:
+    """Packed indices of the children of any packed range, by binary search."""
+
+    def __init__(self, tree: BranchTree):
+        parents = tree.parents.numpy()
+        self._order = np.argsort(parents, kind="stable")
+        self._sorted = parents[self._order]
+
+    def __call__(self, start: int, end: int) -> Tensor:
+        lo, hi = np.searchsorted(self._sorted, [start, end])
+        return torch.from_numpy(np.sort(self._order[lo:hi]))
+
+
+def forward_unit(
+    model,
+    tree: BranchTree,
+    start: int,
+    end: int,
+    children: Optional[ChildIndex] = None,
+    *,
+    cp_comm_type: str = "allgather",
+    cp_linear_weight: Optional[float] = None,
+    entropy: bool = False,
+    **cache,
+) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """Forward ``[start, end)`` and score every token whose parent lies in it.
+
+    Args:
+        model: GPTModel built with the branch spec (``post_process=True``).
+        tree: the packed tree.
+        start, end: the unit (see :meth:`BranchPackedSeqParams.for_unit`).
+        children: a :class:`ChildIndex` of ``tree`` (built if None).
+        cp_comm_type: context-parallel attention communication.
+        cp_linear_weight: balancing weight (default from the model config).
+        entropy: also return entropies.
+        **cache: ``prefix``, ``record``, ``inject`` for streaming replay.
+
+    Returns:
+        ``(idx [m], lp [m], ent [m] or None)``: packed indices of the scored tokens and
+        their log-probs, the same on every CP and TP rank, differentiable.
+    """
+    if cp_comm_type not in CP_COMM_TYPES:
+        raise ValueError(f"cp_comm_type: {cp_comm_type!r} is not one of {CP_COMM_TYPES}")
+    children = children or ChildIndex(tree)
+    device = model_device(model)
+    config = unwrap(model).config
+    multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    cp_group = _cp_group()
+    if cp_group is not None and cp_linear_weight is None:
+        cp_linear_weight = linear_weight(config)
+    params = BranchPackedSeqParams.for_unit(
+        tree, start, end, device, multiple=multiple, cp_group=cp_group, cp_comm_type=cp_comm_type,
+        cp_linear_weight=cp_linear_weight or 0.0,
+        rope_group=singleton_group() if cp_group is not None else None, **cache,
+    )
+    lo, hi = params.local
+    n_pad = params.total - params.num_real
+    ids = torch.cat([tree.tokens[start:end], torch.zeros(n_pad, dtype=torch.long)])[lo:hi]
+    logits = model(ids.to(device).unsqueeze(0), params.positions.unsqueeze(0), attention_mask=None,
+                   packed_seq_params=params)[0]  # [n_local, V/tp]
+    real_hi = min(hi, params.num_real)
+    mine = children(start + lo, start + real_hi) if real_hi > lo else torch.zeros(0, dtype=torch.long)
+    rows = (tree.parents[mine] - start - lo).to(device)
+    lp, ent = child_logprobs(logits, rows, tree.tokens[mine].to(device), entropy)
+    if cp_group is None:
+        return mine, lp, ent
+    idx = children(start, end)
+    where = torch.searchsorted(idx, mine).to(device)
+    full = lp.new_zeros(idx.numel()).index_put((where,), lp)
+    full_ent = None if ent is None else ent.new_zeros(idx.numel()).index_put((where,), ent)
+    return idx, sum_across(full, cp_group), (None if ent is None else sum_across(full_ent, cp_group))
