@@ -130,6 +130,11 @@ class CPLayout:
     need: Optional[List[List[bool]]] = None
     bytes_sent: List[int] = field(default_factory=lambda: [0])
 
+    def without_padding(self, num_real: int) -> "CPLayout":
+        """The same split with the padding at the end of the unit cut off."""
+        bounds = [(min(s, num_real), min(e, num_real)) for s, e in self.bounds]
+        return CPLayout(self.group, self.rank, bounds, "allgather", None, self.bytes_sent)
+
     @property
     def size(self) -> int:
         return len(self.bounds)

@@ -19,6 +19,12 @@ Patched points (megatron-core 0.16.1, torch 2.13 CPU build):
   generator is saved by the same code already), so they hold nothing.
 * ``fused_softmax.get_default_causal_mask`` — builds the causal mask with ``device="cuda"``
   when an attention layer gets ``attention_mask=None``; rebuilt on CPU.
+* ``WrappedTorchNorm`` (the norm Megatron falls back to without Apex/TE) asserts
+  ``not sequence_parallel``. A torch norm is correct under sequence parallelism as long
+  as its weight gradients are summed over the TP group, so the shim builds the same
+  ``torch.nn.RMSNorm``/``LayerNorm`` and marks its parameters ``sequence_parallel``
+  (Megatron's gradient finalisation and :func:`megatron_branch.parallel.finalize_grads`
+  then all-reduce them).
 * ``megatron.core.utils.is_te_min_version`` — raises ``TypeError`` when Transformer Engine
   is absent; made to answer ``False``.
 
@@ -31,6 +37,7 @@ import contextlib
 from typing import List
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 _APPLIED: List[str] = []
 
@@ -131,10 +138,54 @@ def enable_cpu(seed: int = 1234) -> List[str]:
     fused_softmax.get_default_causal_mask = _cpu_causal_mask
     _APPLIED.append("fused_softmax.get_default_causal_mask->cpu")
 
+    from megatron.core.transformer import torch_norm
+
+    if not getattr(torch_norm.WrappedTorchNorm, "_megatron_branch_sp", False):
+        original_new = torch_norm.WrappedTorchNorm.__new__
+
+        def _norm_new(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
+            if not config.sequence_parallel:
+                return original_new(cls, config, hidden_size, eps, *args, **kwargs)
+            norm_cls = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}[config.normalization]
+            norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+            for p in norm.parameters():
+                p.sequence_parallel = True
+            return norm
+
+        torch_norm.WrappedTorchNorm.__new__ = _norm_new
+        torch_norm.WrappedTorchNorm._megatron_branch_sp = True
+    _APPLIED.append("WrappedTorchNorm: sequence parallel allowed (params marked)")
+
     if not HAVE_TE:
         mcore_utils.is_te_min_version = lambda *a, **k: False
         _APPLIED.append("utils.is_te_min_version->False")
     return list(_APPLIED)
+
+
+class _CudaFactoriesOnCpu(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        device = kwargs.get("device")
+        if device is not None and not isinstance(device, int) and torch.device(device).type == "cuda":
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_factories_on_cpu():
+    """Inside, tensors that megatron code creates with ``device="cuda"`` (or ``.cuda()``)
+    stay on the CPU; a no-op where CUDA is available.
+
+    megatron-core 0.16's pipeline schedules allocate a token counter with a literal
+    ``device="cuda"``; wrap the schedule call in this (``megatron_branch.pipeline`` does).
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    with _CudaFactoriesOnCpu():
+        yield
 
 
 def cpu_enabled() -> bool:

@@ -27,16 +27,17 @@ class StemCache:
     kv: Dict[int, Tuple[Tensor, Tensor]] = field(default_factory=dict)
     cp: Optional[object] = None  # the CPLayout the K/V are sharded by, if any
 
-    def record(self, layer_number: int, key: Tensor, value: Tensor) -> Tuple[Tensor, Tensor]:
+    def record(self, layer_number: int, key: Tensor, value: Tensor, rows: int) -> Tuple[Tensor, Tensor]:
         """Store the layer's K/V once (a recompute of the same forward keeps the first).
 
-        The stored tensors are leaves (``requires_grad`` in exact replay) that collect the
-        ``dK``/``dV`` of every unit below the stem.
+        Only the first ``rows`` rows are kept (the rest is padding). The stored tensors
+        are leaves (``requires_grad`` in exact replay) that collect the ``dK``/``dV`` of
+        every unit below the stem.
         """
         if layer_number not in self.kv:
-            # [s, 1, hk, d] -> [s, hk, d]
-            k = key[:, 0].detach().requires_grad_(self.requires_grad)
-            v = value[:, 0].detach().requires_grad_(self.requires_grad)
+            # [s, 1, hk, d] -> [rows, hk, d]
+            k = key[:rows, 0].detach().requires_grad_(self.requires_grad)
+            v = value[:rows, 0].detach().requires_grad_(self.requires_grad)
             self.kv[layer_number] = (k, v)
         return self.kv[layer_number]
 
@@ -65,8 +66,9 @@ class InjectGrad(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         extra = ctx.ref.leaf.grad
         if extra is not None:
-            # leaf [s, hk, d] -> [s, 1, hk, d]
-            grad = grad + extra.unsqueeze(1).to(grad.dtype)
+            # leaf [rows, hk, d] -> [rows, 1, hk, d], added to the first rows (no padding)
+            grad = grad.clone()
+            grad[: extra.shape[0]] += extra.unsqueeze(1).to(grad.dtype)
         return grad, None
 
 

@@ -123,8 +123,10 @@ class BranchCoreAttention(MegatronModule):
         params = packed_seq_params
         if params.record is not None:
             # Streaming replay: this forward is a stem; cache its K/V (after RoPE).
-            params.record.cp = params.cp
-            k_leaf, v_leaf = params.record.record(self.layer_number, key, value)
+            lo, hi = params.local
+            rows = max(0, min(hi, params.num_real) - lo)  # this rank's real (unpadded) tokens
+            params.record.cp = params.cp.without_padding(params.num_real) if params.cp is not None else None
+            k_leaf, v_leaf = params.record.record(self.layer_number, key, value, rows)
             if params.inject:
                 key, value = inject(key, k_leaf), inject(value, v_leaf)
         prefix = prefix_kv(params.prefix, self.layer_number) if params.prefix else []
