@@ -8,6 +8,7 @@ import warnings
 from typing import List, Optional
 
 from megatron_branch import demo
+from megatron_branch.bench import cp as bench_cp
 from megatron_branch.bench import run as bench_run
 
 
@@ -37,6 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_run.add_arguments(p_bench)
     p_bench.set_defaults(func=bench_run.main)
+    p_cp = sub.add_parser(
+        "bench-cp",
+        help="context-parallel replay on CPU processes: balance, time, bytes sent",
+        description=bench_cp.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench_cp.add_arguments(p_cp)
+    p_cp.set_defaults(func=bench_cp.main)
     return parser
 
 

@@ -22,7 +22,7 @@ shard's share and :func:`megatron_branch.parallel.finalize_grads` sums them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -33,6 +33,17 @@ from torch import Tensor
 from megatron_branch.attention.cascade import AttentionPiece
 
 CP_COMM_TYPES = ("allgather", "p2p")
+
+# Bytes this process has sent for context-parallel attention (forward and backward).
+_BYTES_SENT = [0]
+
+
+def comm_bytes(reset: bool = False) -> int:
+    """Bytes this rank sent for CP attention since the last reset."""
+    value = _BYTES_SENT[0]
+    if reset:
+        _BYTES_SENT[0] = 0
+    return value
 
 
 def shard_bounds(
@@ -128,12 +139,11 @@ class CPLayout:
     bounds: List[Tuple[int, int]]
     comm_type: str = "allgather"
     need: Optional[List[List[bool]]] = None
-    bytes_sent: List[int] = field(default_factory=lambda: [0])
 
     def without_padding(self, num_real: int) -> "CPLayout":
         """The same split with the padding at the end of the unit cut off."""
         bounds = [(min(s, num_real), min(e, num_real)) for s, e in self.bounds]
-        return CPLayout(self.group, self.rank, bounds, "allgather", None, self.bytes_sent)
+        return CPLayout(self.group, self.rank, bounds, "allgather", None)
 
     @property
     def size(self) -> int:
@@ -165,7 +175,7 @@ class _AllGatherRows(torch.autograd.Function):
         parts = [torch.empty((width,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
                  for _ in lengths]
         dist.all_gather(parts, _pad_rows(x, width), group=layout.group)
-        layout.bytes_sent[0] += x.numel() * x.element_size() * (layout.size - 1)
+        _BYTES_SENT[0] += x.numel() * x.element_size() * (layout.size - 1)
         ctx.layout = layout
         return torch.cat([p[:n] for p, n in zip(parts, lengths)])
 
@@ -178,10 +188,11 @@ class _AllGatherRows(torch.autograd.Function):
             padded = torch.cat([_pad_rows(grad[s:e], width) for s, e in layout.bounds])
             out = grad.new_empty((width,) + tuple(grad.shape[1:]))
             dist.reduce_scatter_tensor(out, padded, group=layout.group)
+            _BYTES_SENT[0] += out.numel() * out.element_size() * (layout.size - 1)
             lo, hi = layout.local
             return out[: hi - lo], None
-        dist.all_reduce(grad, group=layout.group)
-        layout.bytes_sent[0] += grad.numel() * grad.element_size()
+        dist.all_reduce(grad, group=layout.group)  # a ring all-reduce sends 2 (C-1)/C of it
+        _BYTES_SENT[0] += 2 * grad.numel() * grad.element_size() * (layout.size - 1) // layout.size
         lo, hi = layout.local
         return grad[lo:hi].clone(), None
 
@@ -204,7 +215,7 @@ class _ExchangeRows(torch.autograd.Function):
         for r in range(layout.size):
             if r != me and need[r][me] and hi > lo:
                 ops.append(dist.P2POp(dist.isend, x.contiguous(), _group_rank(layout, r), layout.group))
-                layout.bytes_sent[0] += x.numel() * x.element_size()
+                _BYTES_SENT[0] += x.numel() * x.element_size()
         recv = {}
         for s in range(layout.size):
             ks, ke = layout.bounds[s]
@@ -231,7 +242,7 @@ class _ExchangeRows(torch.autograd.Function):
             ks, ke = layout.bounds[s]
             if s != me and need[me][s] and ke > ks:
                 ops.append(dist.P2POp(dist.isend, grad[ks:ke].contiguous(), _group_rank(layout, s), layout.group))
-                layout.bytes_sent[0] += grad[ks:ke].numel() * grad.element_size()
+                _BYTES_SENT[0] += grad[ks:ke].numel() * grad.element_size()
         for r in range(layout.size):
             if r != me and need[r][me] and hi > lo:
                 recv[r] = torch.empty_like(own)

@@ -53,3 +53,18 @@ def test_bench_cli_help():
     proc = subprocess.run([sys.executable, "-m", "megatron_branch.cli", "bench", "--help"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "--quick" in proc.stdout
+
+
+def test_bench_cp_tiny():
+    from megatron_branch.bench.cp import format_table, run_bench_cp
+
+    report = run_bench_cp(True, sizes=(1, 2), echo=lambda *_: None,
+                          shape=dict(prompt=64, tails=4, tail_len=8, repeats=1))
+    rows = {(r["cp"], r["comm"]): r for r in report["rows"]}
+    assert set(rows) == {(1, "allgather"), (2, "allgather"), (2, "p2p")}
+    assert rows[(1, "allgather")]["bytes_sent_per_rank"] == [0]
+    assert all(b > 0 for b in rows[(2, "allgather")]["bytes_sent_per_rank"])
+    # p2p skips the shard pair with no visible (query, key) pair: rank 0 never needs rank 1's keys
+    assert sum(rows[(2, "p2p")]["bytes_sent_per_rank"]) < sum(rows[(2, "allgather")]["bytes_sent_per_rank"])
+    assert sum(rows[(2, "p2p")]["attention_pairs"]) == sum(rows[(1, "allgather")]["attention_pairs"])
+    assert "MB sent" in format_table(report)
