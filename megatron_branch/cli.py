@@ -10,6 +10,7 @@ from typing import List, Optional
 from megatron_branch import demo
 from megatron_branch.bench import cp as bench_cp
 from megatron_branch.bench import run as bench_run
+from megatron_branch.planner import plan as planner
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_cp.add_arguments(p_cp)
     p_cp.set_defaults(func=bench_cp.main)
+    p_plan = sub.add_parser(
+        "plan",
+        help="choose TP/CP/PP, chunk, recompute and FP8 for a workload on a cluster",
+        description=planner.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    planner.add_arguments(p_plan)
+    p_plan.set_defaults(func=planner.main)
     return parser
 
 

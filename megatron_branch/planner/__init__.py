@@ -1,0 +1,1 @@
+"""Capacity planner: ``megatron-branch plan``."""

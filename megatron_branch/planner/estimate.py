@@ -1,0 +1,131 @@
+"""Memory, FLOPs and step time of one streaming branch-replay step on a parallel layout.
+
+Memory per GPU (bytes):
+
+* weights 2 B/param (bf16), main gradients 4 B/param (fp32), optimizer 12 B/param (fp32
+  master + Adam moments) sharded over DP x CP (distributed optimizer); parameters split
+  over TP x PP; FP8 adds 1 B/param of cached FP8 weights;
+* stem K/V cache: ``stem_tokens x layers/PP x 2 x kv_heads/TP x head_dim x 2 B / CP``,
+  times 4 — values, their gradient accumulators and the backward's working copies
+  (measured factor, see :func:`validate_on_cpu`);
+* chunk working set: ``chunk/CP x layers/PP x ACT_ELEMS x 2 B / TP`` with
+  ``ACT_ELEMS = 14 h + 4 kv_dim + 4 ffn`` saved elements per token per layer (fitted to
+  measured peaks of Megatron's local layers; full recompute keeps ``h`` per layer plus one
+  layer's set), and fp32 logits ``chunk/CP x vocab/TP x 12 B`` (logits, softmax, grad).
+
+Time = FLOPs / (GPUs x peak x MFU), linear GEMMs at the FP8 peak when FP8 is on,
+attention at the bf16 peak; recompute adds the recomputed forwards. PP with a single
+tree per step leaves stages idle, so only TP x CP x DP GPUs count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict
+
+from megatron_branch.planner.presets import GPUSpec, ModelSpec
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Workload:
+    """``num_prompts`` prompts of ``prompt_len`` tokens, each with ``rollouts`` answers of
+    ``response_len`` tokens (one level of sharing: the prompt)."""
+
+    prompt_len: int
+    rollouts: int
+    response_len: int
+    num_prompts: int = 1
+
+    def __post_init__(self):
+        for name in ("prompt_len", "rollouts", "response_len", "num_prompts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def naive_positions(self) -> int:
+        return self.num_prompts * self.rollouts * (self.prompt_len + self.response_len)
+
+    @property
+    def unique_positions(self) -> int:
+        return self.num_prompts * (self.prompt_len + self.rollouts * self.response_len)
+
+    @property
+    def stem_tokens(self) -> int:
+        return self.prompt_len
+
+    def attention_pairs(self, tree: bool = True) -> float:
+        p, r, g = self.prompt_len, self.response_len, self.rollouts
+        if tree:
+            per = p * (p + 1) / 2 + g * (r * p + r * (r + 1) / 2)
+        else:
+            per = g * (p + r) * (p + r + 1) / 2
+        return self.num_prompts * per
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+    chunk_tokens: int
+    recompute: str  # "none" | "full"
+    fp8: bool
+
+
+def act_elems_per_token_layer(model: ModelSpec) -> int:
+    """Saved activation elements per token per layer (fitted; see module docstring)."""
+    return 14 * model.hidden_size + 4 * model.num_kv_heads * model.kv_channels + 4 * model.ffn_hidden_size
+
+
+def memory_per_gpu(model: ModelSpec, work: Workload, lay: Layout, act_bytes: int = 2) -> Dict[str, float]:
+    """Bytes per GPU by component (the largest pipeline stage)."""
+    layers = -(-model.num_layers // lay.pp)
+    stage_params = (layers * model.params_per_layer() + model.vocab_size * model.hidden_size) / lay.tp
+    kv_dim_local = max(model.num_kv_heads // lay.tp, 1) * model.kv_channels
+    cache = 4 * work.stem_tokens * layers * 2 * kv_dim_local * act_bytes / lay.cp
+    tokens = lay.chunk_tokens / lay.cp
+    per_layer = act_elems_per_token_layer(model) * act_bytes / lay.tp
+    if lay.recompute == "full":
+        acts = tokens * (layers * model.hidden_size * act_bytes / lay.tp + per_layer)
+    else:
+        acts = tokens * layers * per_layer
+    logits = tokens * model.vocab_size / lay.tp * 12
+    return {
+        "weights": stage_params * (2 + (1 if lay.fp8 else 0)),
+        "grads": stage_params * 4,
+        "optimizer": stage_params * 12 / (lay.dp * lay.cp),
+        "stem_kv_cache": cache,
+        "chunk_activations": acts,
+        "logits": logits,
+    }
+
+
+def step_flops(model: ModelSpec, positions: float, pairs: float) -> Dict[str, float]:
+    """Forward+backward FLOPs: linear (incl. output layer) and attention."""
+    linear = 6 * positions * (model.num_layers * (model.params_per_layer() - 2 * model.hidden_size)
+                              + model.vocab_size * model.hidden_size)
+    attention = 12 * pairs * model.kv_channels * model.num_attention_heads * model.num_layers
+    return {"linear": linear, "attention": attention}
+
+
+def step_time(model: ModelSpec, work: Workload, lay: Layout, gpu: GPUSpec, mfu: float) -> Dict[str, float]:
+    """Seconds of one step (branch replay) and of the naive computation, at ``mfu``."""
+    fl = step_flops(model, work.unique_positions, work.attention_pairs(True))
+    # the stems are recomputed once for their exact backward (recompute_stem=True)
+    stem = step_flops(model, work.num_prompts * work.stem_tokens,
+                      work.num_prompts * work.stem_tokens * (work.stem_tokens + 1) / 2)
+    extra = 1.0 / 3.0
+    linear = fl["linear"] + extra * stem["linear"]
+    attention = fl["attention"] + extra * stem["attention"]
+    if lay.recompute == "full":
+        linear, attention = linear * (1 + extra), attention * (1 + extra)
+    busy = lay.tp * lay.cp * lay.dp
+    lin_peak = (gpu.fp8_tflops if lay.fp8 else gpu.bf16_tflops) * 1e12
+    seconds = (linear / lin_peak + attention / (gpu.bf16_tflops * 1e12)) / (busy * mfu)
+    naive = step_flops(model, work.naive_positions, work.attention_pairs(False))
+    naive_s = (naive["linear"] / lin_peak + naive["attention"] / (gpu.bf16_tflops * 1e12)) / (busy * mfu)
+    return {"seconds": seconds, "flops": linear + attention, "naive_seconds": naive_s,
+            "naive_flops": naive["linear"] + naive["attention"]}

@@ -1,0 +1,99 @@
+"""``megatron-branch plan``: hand-checked arithmetic, a workload that cannot fit, bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megatron_branch.planner.estimate import GB, Layout, Workload, memory_per_gpu, step_flops
+from megatron_branch.planner.plan import plan
+from megatron_branch.planner.presets import GPUS, MODELS, ModelSpec, model_from_hf_config
+
+TINY = ModelSpec("tiny", num_layers=2, hidden_size=8, num_attention_heads=2, num_kv_heads=1,
+                 ffn_hidden_size=16, vocab_size=10)
+
+
+def test_workload_counts_by_hand():
+    w = Workload(prompt_len=100, rollouts=4, response_len=10)
+    assert w.naive_positions == 4 * 110 and w.unique_positions == 140
+    assert w.attention_pairs(True) == 100 * 101 / 2 + 4 * (10 * 100 + 55)
+    assert w.attention_pairs(False) == 4 * 110 * 111 / 2
+
+
+def test_params_memory_and_flops_by_hand():
+    # per layer: q 8*8, k/v 2*8*4, o 8*8, mlp 3*8*16, norms 16 -> 64+64+64+384+16 = 592
+    assert TINY.params_per_layer() == 592
+    assert TINY.num_params() == 2 * 592 + 2 * 10 * 8 + 8
+    lay = Layout(tp=1, cp=1, pp=1, dp=1, chunk_tokens=100, recompute="none", fp8=False)
+    mem = memory_per_gpu(TINY, Workload(50, 2, 5), lay, act_bytes=2)
+    stage = 2 * 592 + 80
+    assert mem["weights"] == stage * 2 and mem["grads"] == stage * 4 and mem["optimizer"] == stage * 12
+    assert mem["stem_kv_cache"] == 4 * 50 * 2 * 2 * 4 * 2  # x4, tokens, layers, k+v, kv_dim, bytes
+    assert mem["chunk_activations"] == 100 * 2 * (14 * 8 + 4 * 4 + 4 * 16) * 2
+    assert mem["logits"] == 100 * 10 * 12
+    fl = step_flops(TINY, positions=3, pairs=6)
+    assert fl["linear"] == 6 * 3 * (2 * (592 - 16) + 80)
+    assert fl["attention"] == 12 * 6 * 4 * 2 * 2
+
+
+def test_parallel_layout_divides_memory():
+    lay1 = Layout(1, 1, 1, 1, 8192, "none", False)
+    lay8 = Layout(2, 4, 1, 1, 8192, "none", False)
+    m, w = MODELS["Llama-3-8B"], Workload(131072, 16, 3072)
+    a, b = memory_per_gpu(m, w, lay1), memory_per_gpu(m, w, lay8)
+    assert b["weights"] == pytest.approx(a["weights"] / 2)
+    assert b["optimizer"] == pytest.approx(a["optimizer"] / 8)
+    assert b["stem_kv_cache"] == pytest.approx(a["stem_kv_cache"] / 8)
+
+
+def test_headline_scenario_fits_on_8_h20():
+    result = plan(MODELS["Llama-3-8B"], Workload(131072, 16, 3072), GPUS["H20"], 8)
+    assert result["fits"], result["reason"]
+    assert result["naive_positions"] > 2_000_000
+    best = result["best"]
+    assert best["memory_total_bytes"] <= 0.9 * 96 * GB
+    assert best["naive_flops"] / best["flops"] > 5
+
+
+def test_a_workload_that_cannot_fit_says_why():
+    result = plan(MODELS["Qwen2.5-32B"], Workload(1_000_000, 16, 3072), GPUS["H100"], 1)
+    assert not result["fits"]
+    assert "does not fit" in result["reason"] and "GB" in result["reason"]
+
+
+def test_bad_inputs(tmp_path):
+    with pytest.raises(ValueError, match="prompt_len: must be >= 1"):
+        Workload(0, 16, 10)
+    with pytest.raises(ValueError, match="gpus: must be >= 1"):
+        plan(TINY, Workload(10, 2, 2), GPUS["H20"], 0)
+    with pytest.raises(ValueError, match="mfu"):
+        plan(TINY, Workload(10, 2, 2), GPUS["H20"], 1, mfu=2.0)
+    proc = subprocess.run([sys.executable, "-m", "megatron_branch.cli", "plan", "--naive-positions", "1001",
+                           "--rollouts", "16"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "not a multiple of --rollouts" in proc.stderr
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(ValueError, match="lacks num_hidden_layers"):
+        model_from_hf_config(str(bad))
+
+
+def test_hf_config_and_cli(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+                               "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256}))
+    assert model_from_hf_config(str(cfg)).num_params() == MODELS["Llama-3-8B"].num_params()
+    out = tmp_path / "plan.json"
+    proc = subprocess.run([sys.executable, "-m", "megatron_branch.cli", "plan", "--hf-config", str(cfg),
+                           "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "FITS" in proc.stdout and "MFU assumed" in proc.stdout
+    assert json.loads(out.read_text())["fits"]
+
+
+def test_memory_model_within_20_percent_of_measured_cpu_peak():
+    from megatron_branch.planner.validate import CASES, validate_on_cpu
+
+    rows = validate_on_cpu([CASES[0], CASES[2]])
+    for row in rows:
+        assert abs(row["error"]) <= 0.20, row
