@@ -12,15 +12,39 @@ to running each rollout separately.
     stats = mb.replay_step(model, tree, loss_fn, max_chunk_tokens=4096)  # memory-bounded
 """
 
-from megatron_branch import losses
-from megatron_branch.attention.core_attention import BranchCoreAttention
-from megatron_branch.cpu import enable_cpu
-from megatron_branch.logprobs import rollout_logprobs
-from megatron_branch.packed_seq import BranchPackedSeqParams
-from megatron_branch.replay import ReplayStats, prefix_grad_bias, replay_logprobs, replay_step
-from megatron_branch.self_attention import BranchSelfAttention
-from megatron_branch.spec import get_branch_layer_spec, is_branch_model
-from megatron_branch.tree import BranchSegment, BranchTree
+import importlib
+from typing import Any
+
+# Public name -> module. Imported on first use, so that ``import megatron_branch`` (and the
+# CLI's ``--help``) do not import megatron-core before they need it.
+_EXPORTS = {
+    "BranchCoreAttention": "megatron_branch.attention.core_attention",
+    "BranchPackedSeqParams": "megatron_branch.packed_seq",
+    "BranchSegment": "megatron_branch.tree",
+    "BranchSelfAttention": "megatron_branch.self_attention",
+    "BranchTree": "megatron_branch.tree",
+    "ReplayStats": "megatron_branch.replay",
+    "enable_cpu": "megatron_branch.cpu",
+    "get_branch_layer_spec": "megatron_branch.spec",
+    "is_branch_model": "megatron_branch.spec",
+    "prefix_grad_bias": "megatron_branch.replay",
+    "replay_logprobs": "megatron_branch.replay",
+    "replay_step": "megatron_branch.replay",
+    "rollout_logprobs": "megatron_branch.logprobs",
+}
+_SUBMODULES = {"losses", "context_parallel", "parallel", "pipeline", "models", "logprobs", "replay"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"megatron_branch.{name}")
+    else:
+        raise AttributeError(f"module 'megatron_branch' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
 
 __version__ = "0.1.0"
 

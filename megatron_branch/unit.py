@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from megatron_branch._megatron import parallel_state
-from megatron_branch.bench.flops import ModelShape
+from megatron_branch.flops import ModelShape
 from megatron_branch.context_parallel import CP_COMM_TYPES, singleton_group, sum_across
 from megatron_branch.scoring import child_logprobs, model_device, unwrap
 from megatron_branch.packed_seq import BranchPackedSeqParams

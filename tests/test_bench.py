@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from megatron_branch.bench.flops import ModelShape, causal_pairs, step_flops
+from megatron_branch.flops import ModelShape, causal_pairs, step_flops
 from megatron_branch.bench.run import BenchConfig, Shape, format_table, plot, run_bench
 
 METHODS = {"naive", "packed", "prompt_once", "dense_tree", "ours", "ours_stream"}

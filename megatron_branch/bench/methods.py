@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from megatron_branch.bench.flops import causal_pairs
+from megatron_branch.flops import causal_pairs
 from megatron_branch.naive import batched_rollout_logprobs
 from megatron_branch.replay import replay_step
 from megatron_branch.synthetic import RolloutBatch

@@ -21,7 +21,7 @@ from typing import Dict, List, Optional
 import torch
 
 from megatron_branch import losses
-from megatron_branch.bench.flops import ModelShape, causal_pairs, step_flops
+from megatron_branch.flops import ModelShape, causal_pairs, step_flops
 from megatron_branch.bench.methods import prepare_methods
 from megatron_branch.cpu import enable_cpu
 from megatron_branch.distributed import init_distributed
