@@ -105,3 +105,24 @@ def spawn(layout, cases, weights, out_dir, port):
     world = layout["tp"] * layout["cp"] * layout["pp"]
     mp.spawn(worker, args=(world, port, layout, cases, weights, out_dir), nprocs=world, join=True)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+
+
+def hf_worker(rank, world, port, ckpt, sequences, out_dir):
+    """Load a converted checkpoint at TP=world and save the per-rollout log-probs."""
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import megatron_branch as mb
+    from megatron_branch._megatron import parallel_state
+    from megatron_branch.hf.convert import load_megatron
+
+    mb.enable_cpu()
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+        model, _ = load_megatron(ckpt)
+        with torch.no_grad():
+            lp = mb.rollout_logprobs(model, mb.BranchTree.from_sequences(sequences))
+        torch.save({"lp": lp}, os.path.join(out_dir, f"hf{rank}.pt"))
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()

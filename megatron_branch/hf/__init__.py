@@ -1,0 +1,66 @@
+"""Hugging Face checkpoints: load into a branch-spec GPTModel, export a live model's weights.
+
+``mb.hf.load_gpt_from_hf(hf_dir)`` builds the Megatron GPTModel (branch spec) and loads
+the weights; ``mb.hf.export_hf_state(model, hf_config)`` returns a live (possibly TP/PP
+sharded) model's full weights under HF names — what an RL stack sends to its rollout
+engine after each step. Mapping rules: :mod:`megatron_branch.hf.mapping`.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from megatron_branch.hf.io import read_config, read_weights
+from megatron_branch.hf.mapping import hf_to_megatron, megatron_args_from_hf, megatron_to_hf
+
+
+def build_from_hf_config(hf_cfg: dict, params_dtype: torch.dtype = torch.float32, spec_kwargs: Optional[dict] = None,
+                         **config_overrides):
+    """``(GPTModel, TransformerConfig)`` with the branch spec for a HF config dict (random weights)."""
+    from megatron_branch._megatron import parallel_state
+    from megatron_branch.models import build_gpt, llama_config
+
+    config_kwargs, model_kwargs = megatron_args_from_hf(hf_cfg)
+    config_kwargs.update(config_overrides)
+    config = llama_config(params_dtype=params_dtype, **config_kwargs)
+    if parallel_state.model_parallel_is_initialized():
+        model_kwargs.setdefault("pre_process", parallel_state.is_pipeline_first_stage())
+        model_kwargs.setdefault("post_process", parallel_state.is_pipeline_last_stage())
+    vocab = model_kwargs.pop("vocab_size")
+    max_len = model_kwargs.pop("max_sequence_length")
+    model = build_gpt(config, vocab, max_sequence_length=max_len, spec_kwargs=spec_kwargs, **model_kwargs)
+    return model, config
+
+
+def load_gpt_from_hf(hf_dir: str, params_dtype: torch.dtype = torch.float32, **spec_kwargs):
+    """Build a branch-spec GPTModel for ``hf_dir`` and load its safetensors weights.
+
+    Works on any TP/PP layout already initialised (weights are sliced per rank).
+
+    Returns:
+        ``(model, config)``.
+    """
+    from megatron_branch.parallel import load_full_state
+
+    hf_cfg = read_config(hf_dir)
+    model, config = build_from_hf_config(hf_cfg, params_dtype, spec_kwargs)
+    state = hf_to_megatron(read_weights(hf_dir), hf_cfg)
+    load_full_state(model, {k: v.to(params_dtype) for k, v in state.items()})
+    return model, config
+
+
+def export_hf_state(model, hf_cfg: dict, dtype: Optional[torch.dtype] = None) -> Dict[str, Tensor]:
+    """The model's full weights under HF names (collective over TP and PP; every rank gets them)."""
+    from megatron_branch.parallel import full_state
+
+    state = full_state(model, "param")
+    if hf_cfg.get("tie_word_embeddings"):
+        state.pop("output_layer.weight", None)
+    out = megatron_to_hf(state, hf_cfg)
+    return {k: v.to(dtype) for k, v in out.items()} if dtype is not None else out
+
+
+__all__ = ["build_from_hf_config", "export_hf_state", "hf_to_megatron", "load_gpt_from_hf", "megatron_to_hf"]

@@ -1,0 +1,185 @@
+"""Hugging Face (Llama, Mistral, Qwen2, Qwen3) <-> Megatron GPTModel: config and weights.
+
+Our own code: Megatron-Bridge, the usual converter, needs Transformer Engine and CUDA.
+Weights are plain tensors keyed by name on both sides; Megatron names are the stock
+local-spec names with global layer numbers (as :func:`megatron_branch.parallel.full_state`
+returns). Layouts that differ:
+
+* ``linear_qkv`` interleaves per KV group: for group ``g``, the ``heads / kv_heads`` query
+  heads, then its key head, then its value head (rows of ``head_dim``); Qwen2's biases alike;
+* ``linear_fc1`` is ``[gate_proj; up_proj]`` stacked on the output dimension.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Megatron's built-in Llama-3 RoPE scaling uses these fixed parameters.
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _arch(cfg: dict) -> str:
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2":
+                                   "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(cfg.get("model_type"), "")
+    if arch not in SUPPORTED:
+        raise ValueError(f"config.json: architecture {arch or cfg.get('model_type')!r} is not supported "
+                         f"(supported: {', '.join(SUPPORTED)})")
+    return arch
+
+
+def _rope(cfg: dict) -> Tuple[float, dict]:
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or {}
+    if scaling:
+        params.update(scaling)
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in (None, "default"):
+        return theta, {}
+    if kind == "llama3":
+        for key, value in LLAMA3_ROPE.items():
+            if float(params.get(key, value)) != value:
+                raise ValueError(f"config.json: llama3 rope_scaling {key}={params.get(key)} is not supported "
+                                 f"(megatron-core fixes it to {value})")
+        return theta, {"rope_scaling": True, "rope_scaling_factor": float(params.get("factor", 8.0))}
+    raise ValueError(f"config.json: rope_scaling type {kind!r} is not supported (only llama3)")
+
+
+def megatron_args_from_hf(cfg: dict) -> Tuple[dict, dict]:
+    """``(TransformerConfig kwargs, GPTModel kwargs)`` for a Hugging Face config dict.
+
+    Raises:
+        ValueError: an unsupported architecture, activation or RoPE scaling.
+    """
+    arch = _arch(cfg)
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json: hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)")
+    window = cfg.get("sliding_window")
+    if window is not None and cfg.get("use_sliding_window", arch == "MistralForCausalLM"):
+        raise ValueError(f"config.json: sliding_window={window} is not supported by tree attention")
+    heads = cfg["num_attention_heads"]
+    theta, rope = _rope(cfg)
+    config = dict(
+        num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"], num_attention_heads=heads,
+        num_query_groups=cfg.get("num_key_value_heads") or heads, ffn_hidden_size=cfg["intermediate_size"],
+        kv_channels=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        layernorm_epsilon=cfg.get("rms_norm_eps", 1e-6), normalization="RMSNorm", gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False,
+        add_qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+        qk_layernorm=arch == "Qwen3ForCausalLM",
+    )
+    model = dict(
+        vocab_size=cfg["vocab_size"], max_sequence_length=cfg.get("max_position_embeddings", 4096),
+        share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)),
+        position_embedding_type="rope", rotary_base=theta, **rope,
+    )
+    return config, model
+
+
+def _dims(cfg: dict) -> Tuple[int, int, int]:
+    heads = cfg["num_attention_heads"]
+    groups = cfg.get("num_key_value_heads") or heads
+    return heads, groups, cfg.get("head_dim") or cfg["hidden_size"] // heads
+
+
+def _qkv_to_megatron(q: Tensor, k: Tensor, v: Tensor, cfg: dict) -> Tensor:
+    heads, groups, hd = _dims(cfg)
+    rest = q.shape[1:]
+    # [heads * hd, ...] -> [groups, heads/groups * hd, ...]; k, v -> [groups, hd, ...]
+    q = q.reshape(groups, heads // groups * hd, *rest)
+    k = k.reshape(groups, hd, *rest)
+    v = v.reshape(groups, hd, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def _qkv_from_megatron(qkv: Tensor, cfg: dict) -> Tuple[Tensor, Tensor, Tensor]:
+    heads, groups, hd = _dims(cfg)
+    rest = qkv.shape[1:]
+    per = heads // groups * hd
+    qkv = qkv.reshape(groups, per + 2 * hd, *rest)
+    q, k, v = qkv.split([per, hd, hd], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def hf_to_megatron(state: Dict[str, Tensor], cfg: dict) -> Dict[str, Tensor]:
+    """HF ``model.*`` / ``lm_head`` tensors -> stock Megatron names (copies, same dtype).
+
+    Raises:
+        ValueError: a missing or unexpected tensor, or a shape mismatch, named.
+    """
+    _arch(cfg)
+    todo = dict(state)
+
+    def take(name: str) -> Tensor:
+        if name not in todo:
+            raise ValueError(f"checkpoint: missing tensor {name!r}")
+        return todo.pop(name)
+
+    out = {"embedding.word_embeddings.weight": take("model.embed_tokens.weight")}
+    for i in range(cfg["num_hidden_layers"]):
+        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
+        attn = hf + "self_attn."
+        out[mg + "input_layernorm.weight"] = take(hf + "input_layernorm.weight")
+        out[mg + "self_attention.linear_qkv.weight"] = _qkv_to_megatron(
+            take(attn + "q_proj.weight"), take(attn + "k_proj.weight"), take(attn + "v_proj.weight"), cfg)
+        if attn + "q_proj.bias" in todo:
+            out[mg + "self_attention.linear_qkv.bias"] = _qkv_to_megatron(
+                take(attn + "q_proj.bias"), take(attn + "k_proj.bias"), take(attn + "v_proj.bias"), cfg)
+        if attn + "q_norm.weight" in todo:
+            out[mg + "self_attention.q_layernorm.weight"] = take(attn + "q_norm.weight")
+            out[mg + "self_attention.k_layernorm.weight"] = take(attn + "k_norm.weight")
+        out[mg + "self_attention.linear_proj.weight"] = take(attn + "o_proj.weight")
+        out[mg + "pre_mlp_layernorm.weight"] = take(hf + "post_attention_layernorm.weight")
+        out[mg + "mlp.linear_fc1.weight"] = torch.cat(
+            [take(hf + "mlp.gate_proj.weight"), take(hf + "mlp.up_proj.weight")])
+        out[mg + "mlp.linear_fc2.weight"] = take(hf + "mlp.down_proj.weight")
+    out["decoder.final_layernorm.weight"] = take("model.norm.weight")
+    if not cfg.get("tie_word_embeddings", False):
+        out["output_layer.weight"] = take("lm_head.weight")
+    else:
+        todo.pop("lm_head.weight", None)
+    todo = {k: v for k, v in todo.items() if not k.endswith("rotary_emb.inv_freq")}
+    if todo:
+        raise ValueError(f"checkpoint: unexpected tensors {sorted(todo)[:5]}")
+    return out
+
+
+def megatron_to_hf(state: Dict[str, Tensor], cfg: dict) -> Dict[str, Tensor]:
+    """Stock Megatron names -> HF names (inverse of :func:`hf_to_megatron`)."""
+    todo = dict(state)
+
+    def take(name: str) -> Tensor:
+        if name not in todo:
+            raise ValueError(f"megatron state: missing tensor {name!r}")
+        return todo.pop(name)
+
+    out = {"model.embed_tokens.weight": take("embedding.word_embeddings.weight")}
+    for i in range(cfg["num_hidden_layers"]):
+        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
+        attn = hf + "self_attn."
+        out[hf + "input_layernorm.weight"] = take(mg + "input_layernorm.weight")
+        q, k, v = _qkv_from_megatron(take(mg + "self_attention.linear_qkv.weight"), cfg)
+        out.update({attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v})
+        if mg + "self_attention.linear_qkv.bias" in todo:
+            q, k, v = _qkv_from_megatron(take(mg + "self_attention.linear_qkv.bias"), cfg)
+            out.update({attn + "q_proj.bias": q, attn + "k_proj.bias": k, attn + "v_proj.bias": v})
+        if mg + "self_attention.q_layernorm.weight" in todo:
+            out[attn + "q_norm.weight"] = take(mg + "self_attention.q_layernorm.weight")
+            out[attn + "k_norm.weight"] = take(mg + "self_attention.k_layernorm.weight")
+        out[attn + "o_proj.weight"] = take(mg + "self_attention.linear_proj.weight")
+        out[hf + "post_attention_layernorm.weight"] = take(mg + "pre_mlp_layernorm.weight")
+        gate, up = take(mg + "mlp.linear_fc1.weight").chunk(2)
+        out[hf + "mlp.gate_proj.weight"], out[hf + "mlp.up_proj.weight"] = gate, up
+        out[hf + "mlp.down_proj.weight"] = take(mg + "mlp.linear_fc2.weight")
+    out["model.norm.weight"] = take("decoder.final_layernorm.weight")
+    if "output_layer.weight" in todo:
+        out["lm_head.weight"] = take("output_layer.weight")
+    if todo:
+        raise ValueError(f"megatron state: unexpected tensors {sorted(todo)[:5]}")
+    return {k: v.contiguous() for k, v in out.items()}

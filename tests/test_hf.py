@@ -1,0 +1,174 @@
+"""HF <-> Megatron conversion, checked against ``transformers`` itself."""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import transformers
+from safetensors.torch import load_file, save_file
+
+import megatron_branch as mb
+from megatron_branch.distributed import free_port
+from megatron_branch.hf.convert import export_hf, import_hf, load_megatron
+from megatron_branch.hf.mapping import megatron_args_from_hf
+from megatron_branch.synthetic import branching_rollouts
+
+import dist_worker
+
+COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+ARCHS = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "llama_tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"tie_word_embeddings": True}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 32}),
+}
+
+
+def make_hf(tmp_path, arch):
+    cfg_cls, model_cls, extra = ARCHS[arch]
+    torch.manual_seed(0)
+    model = model_cls(cfg_cls(**COMMON, **extra)).float().eval()
+    with torch.no_grad():  # non-trivial biases and norms, so a wrong mapping shows
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.normal_(1.0 if "norm" in name else 0.0, 0.5)
+    path = tmp_path / f"hf-{arch}"
+    model.save_pretrained(path)
+    return model, str(path)
+
+
+def hf_logprobs(model, sequences):
+    width = max(len(s) for s in sequences) - 1
+    rows = []
+    with torch.no_grad():
+        for s in sequences:
+            logits = model(s[None]).logits[0, :-1].float()
+            lp = torch.log_softmax(logits, -1).gather(-1, s[1:, None])[:, 0]
+            rows.append(torch.nn.functional.pad(lp, (0, width - lp.numel())))
+    return torch.stack(rows)
+
+
+BATCH = branching_rollouts([20, 9], [2, 3], [5, 6], 128, seed=1)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_imported_model_matches_transformers_on_a_branching_tree(arch, tmp_path):
+    hf, hf_dir = make_hf(tmp_path, arch)
+    import_hf(hf_dir, str(tmp_path / "mg"))
+    model, _ = load_megatron(str(tmp_path / "mg"))
+    with torch.no_grad():
+        lp = mb.rollout_logprobs(model, mb.BranchTree.from_sequences(BATCH.sequences))
+    assert (lp - hf_logprobs(hf, BATCH.sequences)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama_tied"])
+def test_round_trip_is_bit_exact_and_loads_in_transformers(arch, tmp_path):
+    hf, hf_dir = make_hf(tmp_path, arch)
+    import_hf(hf_dir, str(tmp_path / "mg"))
+    export_hf(str(tmp_path / "mg"), str(tmp_path / "back"), max_shard_bytes=20_000)  # forces sharding
+    assert os.path.isfile(tmp_path / "back" / "model.safetensors.index.json")
+    original = {k: v for f in os.listdir(hf_dir) if f.endswith(".safetensors") for k, v in load_file(os.path.join(hf_dir, f)).items()}
+    back = {k: v for f in os.listdir(tmp_path / "back") if f.endswith(".safetensors")
+            for k, v in load_file(str(tmp_path / "back" / f)).items()}
+    assert set(back) == set(original)
+    for name, t in original.items():
+        assert torch.equal(back[name], t), name
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).float().eval()
+    assert torch.equal(hf_logprobs(reloaded, BATCH.sequences), hf_logprobs(hf, BATCH.sequences))
+
+
+def test_import_at_tp1_load_at_tp2(tmp_path):
+    hf, hf_dir = make_hf(tmp_path, "qwen2")
+    import_hf(hf_dir, str(tmp_path / "mg"))
+    mp.spawn(dist_worker.hf_worker, args=(2, free_port(), str(tmp_path / "mg"), BATCH.sequences, str(tmp_path)),
+             nprocs=2, join=True)
+    ref = hf_logprobs(hf, BATCH.sequences)
+    for rank in range(2):
+        assert (torch.load(tmp_path / f"hf{rank}.pt")["lp"] - ref).abs().max() < 1e-5
+
+
+def _edit_weights(hf_dir, fn):
+    path = os.path.join(hf_dir, "model.safetensors")
+    state = load_file(path)
+    fn(state)
+    save_file(state, path, metadata={"format": "pt"})
+
+
+def test_bad_inputs_raise_clearly(tmp_path):
+    _, hf_dir = make_hf(tmp_path, "llama")
+    with pytest.raises(ValueError, match="has no config.json"):
+        import_hf(str(tmp_path), str(tmp_path / "x"))
+    with pytest.raises(ValueError, match="--dtype"):
+        import_hf(hf_dir, str(tmp_path / "x"), dtype="fp16")
+    cfg = json.load(open(os.path.join(hf_dir, "config.json")))
+    with pytest.raises(ValueError, match="architecture 'GPT2LMHeadModel' is not supported"):
+        megatron_args_from_hf(dict(cfg, architectures=["GPT2LMHeadModel"]))
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
+        megatron_args_from_hf(dict(cfg, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    with pytest.raises(ValueError, match="low_freq_factor"):
+        megatron_args_from_hf(dict(cfg, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0}))
+    args, model_args = megatron_args_from_hf(dict(cfg, rope_scaling={"rope_type": "llama3", "factor": 32.0}))
+    assert model_args["rope_scaling"] and model_args["rope_scaling_factor"] == 32.0
+
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "file").write_text("keep me")
+    with pytest.raises(ValueError, match="exists and is not empty"):
+        import_hf(hf_dir, str(tmp_path / "busy"))
+    assert (tmp_path / "busy" / "file").read_text() == "keep me"
+
+    _edit_weights(hf_dir, lambda s: s.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match="missing tensor 'model.layers.1.mlp.up_proj.weight'"):
+        import_hf(hf_dir, str(tmp_path / "x"))
+    _, hf_dir = make_hf(tmp_path / "2", "llama")
+    _edit_weights(hf_dir, lambda s: s.update({"model.layers.0.extra.weight": torch.zeros(2)}))
+    with pytest.raises(ValueError, match="unexpected tensors"):
+        import_hf(hf_dir, str(tmp_path / "x"))
+    _, hf_dir = make_hf(tmp_path / "3", "llama")
+    _edit_weights(hf_dir, lambda s: s.update({"model.layers.0.self_attn.o_proj.weight": torch.zeros(64, 32)}))
+    with pytest.raises(ValueError, match="linear_proj.weight' has shape"):
+        import_hf(hf_dir, str(tmp_path / "x"))
+    assert not (tmp_path / "x").exists()
+
+
+def test_pickle_checkpoints_are_refused(tmp_path):
+    _, hf_dir = make_hf(tmp_path, "llama")
+    os.remove(os.path.join(hf_dir, "model.safetensors"))
+    (tmp_path / "hf-llama" / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(ValueError, match="pickle checkpoints are not loaded"):
+        import_hf(hf_dir, str(tmp_path / "x"))
+
+
+def test_interrupted_conversion_leaves_nothing_under_the_target(tmp_path):
+    _, hf_dir = make_hf(tmp_path, "llama")
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        import_hf(hf_dir, str(tmp_path / "out"), _fail_after_save=True)
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".out.tmp")]
+
+
+def test_convert_tool_end_to_end(tmp_path):
+    import subprocess
+    import sys
+
+    _, hf_dir = make_hf(tmp_path, "qwen3")
+    tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "convert_checkpoint.py")
+    run = lambda *a: subprocess.run([sys.executable, tool, *a], capture_output=True, text=True, timeout=300)  # noqa: E731
+    proc = run("import", "--hf-model", hf_dir, "--megatron-path", str(tmp_path / "mg"), "--tp", "2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert os.path.isfile(tmp_path / "mg" / "model_args.json")
+    proc = run("import", "--hf-model", hf_dir, "--megatron-path", str(tmp_path / "mg"))
+    assert proc.returncode == 2 and "exists and is not empty" in proc.stderr
+    proc = run("export", "--megatron-path", str(tmp_path / "mg"), "--hf-model", str(tmp_path / "out"),
+               "--hf-config", hf_dir)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")) is not None
+
+
+def test_sliding_window_is_refused():
+    cfg = dict(COMMON, num_hidden_layers=2, architectures=["MistralForCausalLM"], sliding_window=4096)
+    with pytest.raises(ValueError, match="sliding_window=4096"):
+        megatron_args_from_hf(cfg)
+    assert megatron_args_from_hf(dict(cfg, sliding_window=None))[0]["num_layers"] == 2
