@@ -1,0 +1,156 @@
+"""End-to-end GRPO with tree sampling and branch replay on a toy verifiable task (CPU).
+
+Task: count up. After a random prompt, each response token should be the previous
+token plus one (mod vocab); the reward is the fraction of response tokens that are. Each step samples, per prompt, ``--stems``
+shared response stems and forks each into ``--tails`` tails (tree sampling), scores them,
+computes group-relative advantages and updates the policy with one exact branch-replay
+step (``mb.replay_step``) and AdamW. ``--naive`` computes the same update with every
+rollout run in full (a padded batch): the losses agree to ~1e-6 while it is slower.
+
+    python examples/grpo_tree.py --steps 300 --plot reward.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import warnings
+
+import torch
+
+warnings.filterwarnings("ignore")
+
+import megatron_branch as mb  # noqa: E402
+from megatron_branch import losses  # noqa: E402
+from megatron_branch.distributed import init_distributed  # noqa: E402
+from megatron_branch.models import build_gpt, llama_config  # noqa: E402
+from megatron_branch.naive import batched_rollout_logprobs  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--stems", type=int, default=2, help="shared response stems per prompt")
+    p.add_argument("--tails", type=int, default=4, help="tails forked from each stem")
+    p.add_argument("--stem-len", type=int, default=3)
+    p.add_argument("--tail-len", type=int, default=5)
+    p.add_argument("--vocab", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--naive", action="store_true", help="train without branch replay (same math, slower)")
+    p.add_argument("--plot", metavar="PNG", help="write the reward curve")
+    p.add_argument("--log", metavar="JSON", help="write per-step reward and loss")
+    return p.parse_args(argv)
+
+
+@torch.no_grad()
+def extend(model, prefixes, length, gen, vocab):
+    """Sample ``length`` tokens after each prefix (plain causal forward, no tree)."""
+    seqs = [p.clone() for p in prefixes]
+    for _ in range(length):
+        width = max(s.numel() for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : s.numel()] = s
+        pos = torch.arange(width).expand(len(seqs), -1)
+        logits = model(ids, pos, attention_mask=None)  # [b, s, V]
+        last = torch.stack([logits[i, s.numel() - 1] for i, s in enumerate(seqs)]).float()
+        nxt = torch.multinomial(torch.softmax(last[:, :vocab], -1), 1, generator=gen)[:, 0]
+        seqs = [torch.cat([s, n.view(1)]) for s, n in zip(seqs, nxt)]
+    return seqs
+
+
+def sample_tree(model, args, gen):
+    prompts = [torch.randint(0, args.vocab, (args.prompt_len,), generator=gen) for _ in range(args.prompts)]
+    stems = extend(model, [p for p in prompts for _ in range(args.stems)], args.stem_len, gen, args.vocab)
+    return extend(model, [s for s in stems for _ in range(args.tails)], args.tail_len, gen, args.vocab)
+
+
+def reward(seq, args):
+    prev, resp = seq[args.prompt_len - 1:-1], seq[args.prompt_len:]
+    return (resp == (prev + 1) % args.vocab).float().mean()
+
+
+def train(args, echo=print):
+    mb.enable_cpu()
+    init_distributed()
+    torch.manual_seed(args.seed)
+    config = llama_config(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2)
+    model = build_gpt(config, args.vocab, seed=args.seed, max_sequence_length=256)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    gen = torch.Generator().manual_seed(args.seed)
+    group = args.stems * args.tails
+    history = []
+    start = time.perf_counter()
+    for step in range(args.steps):
+        seqs = sample_tree(model, args, gen)
+        rewards = torch.stack([reward(s, args) for s in seqs])
+        adv = losses.grpo_advantages(rewards, group)
+        lengths = [s.numel() for s in seqs]
+        mask = losses.response_mask(lengths, [args.prompt_len] * len(seqs))
+        tokens = mask.sum()
+
+        def loss_fn(lp, ids):
+            return losses.ppo_policy_loss(lp, lp.detach(), adv[ids], mask[ids], global_tokens=tokens)[0]
+
+        optimizer.zero_grad(set_to_none=True)
+        update_start = time.perf_counter()
+        if args.naive:
+            loss_value = loss_fn(batched_rollout_logprobs(model, seqs), torch.arange(len(seqs)))
+            loss_value.backward()
+            loss_value = float(loss_value)
+        else:
+            tree = mb.BranchTree.from_sequences(seqs, vocab_size=args.vocab)
+            loss_value = mb.replay_step(model, tree, loss_fn).loss
+        update_seconds = time.perf_counter() - update_start
+        grad_norm = float(torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]).norm())
+        optimizer.step()
+        history.append({"step": step, "reward": float(rewards.mean()), "loss": loss_value, "grad_norm": grad_norm,
+                        "update_seconds": update_seconds})
+        if step % 20 == 0 or step == args.steps - 1:
+            echo(f"step {step:4d}  reward {rewards.mean():.3f}  loss {loss_value:+.3e}  |grad| {grad_norm:.4e}  "
+                 f"({time.perf_counter() - start:.0f}s)")
+    total = sum(h["update_seconds"] for h in history)
+    echo(f"{'naive' if args.naive else 'branch replay'} updates: {total:.1f} s over {args.steps} steps "
+         f"(sampling excluded)")
+    return history
+
+
+def plot(history, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in history]
+    rewards = [h["reward"] for h in history]
+    window = max(1, len(rewards) // 20)
+    smooth = [sum(rewards[max(0, i - window + 1): i + 1]) / len(rewards[max(0, i - window + 1): i + 1])
+              for i in range(len(rewards))]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, rewards, alpha=0.3, label="mean reward per step")
+    ax.plot(steps, smooth, label=f"moving mean ({window} steps)")
+    ax.set_xlabel("step"), ax.set_ylabel("reward"), ax.set_title("GRPO with tree sampling + branch replay")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    history = train(args)
+    if args.log:
+        with open(args.log, "w") as f:
+            json.dump(history, f)
+    if args.plot:
+        plot(history, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
