@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Optional
 
+from megatron_branch._deps import HAVE_TE
 from megatron_branch._megatron import ModuleSpec, get_gpt_layer_local_spec
 from megatron_branch.attention.core_attention import BACKENDS, BranchCoreAttention
 from megatron_branch.self_attention import BranchSelfAttention
@@ -14,6 +15,7 @@ def get_branch_layer_spec(
     backend: str = "cascade",
     chunk_size: Optional[int] = None,
     kernel: Optional[str] = None,
+    use_te: Optional[bool] = False,
     **local_spec_kwargs,
 ) -> ModuleSpec:
     """``ModuleSpec`` of a ``TransformerLayer``: the stock local spec with tree attention.
@@ -28,21 +30,41 @@ def get_branch_layer_spec(
         backend: ``"cascade"`` (default, mask-free) or ``"dense"`` (boolean mask reference).
         chunk_size: most queries per cascade piece (bounds working memory).
         kernel: cascade piece kernel; ``None`` picks by device.
-        **local_spec_kwargs: forwarded to Megatron's ``get_gpt_layer_local_spec``
+        use_te: build on Megatron's Transformer Engine spec instead (TE linears and
+            layer-norm-linears, so ``TransformerConfig(fp8=...)`` runs the GEMMs in FP8 while
+            tree attention stays in the compute dtype); ``None`` = when TE imports. TE
+            names parameters differently (e.g. ``linear_qkv.layer_norm_weight``).
+        **local_spec_kwargs: forwarded to Megatron's ``get_gpt_layer_local_spec`` (or the TE
+            spec function: ``normalization`` is then taken from the config)
             (``normalization``, ``qk_layernorm``, ``num_experts``, ...).
 
     Returns:
         The layer spec, for ``GPTModel(transformer_layer_spec=...)``.
 
     Raises:
-        ValueError: an unknown backend, or ``multi_latent_attention=True`` (MLA has its
-            own attention module and is not supported).
+        ValueError: an unknown backend, ``multi_latent_attention=True`` (MLA has its
+            own attention module and is not supported), or ``use_te=True`` without an
+            importable Transformer Engine.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
     if local_spec_kwargs.get("multi_latent_attention"):
         raise ValueError("multi_latent_attention: MLA is not supported by the branch spec")
-    spec = copy.deepcopy(get_gpt_layer_local_spec(**local_spec_kwargs))
+    if use_te is None:
+        use_te = HAVE_TE
+    if use_te:
+        if not HAVE_TE:
+            raise ValueError(
+                "use_te: Transformer Engine is not importable here; install the [te] extra on a "
+                "GPU machine (pip install -e '.[te]') or use the default local spec"
+            )
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        local_spec_kwargs.pop("normalization", None)
+        base = get_gpt_layer_with_transformer_engine_spec(**local_spec_kwargs)
+    else:
+        base = get_gpt_layer_local_spec(**local_spec_kwargs)
+    spec = copy.deepcopy(base)
     attn = spec.submodules.self_attention
     attn.module = BranchSelfAttention
     attn.submodules.core_attention = ModuleSpec(

@@ -76,3 +76,25 @@ def test_enable_cpu_is_idempotent_and_explicit():
     assert mb.enable_cpu() == first
     if not torch.cuda.is_available():
         assert "torch.cuda.current_device->cpu" in first
+
+
+def test_te_spec_without_te_is_a_clear_error_at_construction():
+    from megatron_branch._deps import HAVE_TE
+
+    if HAVE_TE:
+        pytest.skip("Transformer Engine is installed here; the TE spec runs in tools/gpu_check.py")
+    with pytest.raises(ValueError, match=r"use_te: Transformer Engine is not importable.*\[te\] extra"):
+        mb.get_branch_layer_spec(use_te=True)
+    # auto mode falls back to the local spec without touching TE
+    spec = mb.get_branch_layer_spec(use_te=None, normalization="RMSNorm")
+    assert spec.submodules.self_attention.submodules.core_attention.module is BranchCoreAttention
+    assert "transformer_engine" not in sys.modules
+
+
+def test_te_spec_builds_with_te():
+    from megatron_branch._deps import HAVE_TE
+
+    if not HAVE_TE:
+        pytest.skip("needs Transformer Engine, which installs only on a GPU (CUDA) machine")
+    spec = mb.get_branch_layer_spec(use_te=True, qk_layernorm=False)
+    assert spec.submodules.self_attention.submodules.core_attention.module is BranchCoreAttention

@@ -11,7 +11,10 @@ requires: ``P = exp(S - lse_merged)``, ``D = rowsum(dO * O_merged)``.
   (``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward) — the same
   kernel family torch's SDPA uses on CPU, memory O(n * head_dim).
 * ``math``: plain matmuls in float32 on any device; memory O(nq * nk * heads), so the
-  caller tiles keys as well as queries.
+  caller tiles keys as well as queries. The default off CPU until ``flash_cuda`` has
+  passed ``tools/gpu_check.py`` on a GPU.
+* ``flash_cuda``: torch's CUDA flash kernel with its log-sum-exp (bf16/fp16); opt in with
+  ``get_branch_layer_spec(kernel="flash_cuda")``.
 """
 
 from __future__ import annotations
@@ -77,8 +80,30 @@ def math_backward(
     return dq, dk, dv
 
 
+def flash_cuda_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
+    # torch's CUDA flash kernel (bf16/fp16 only). Not yet exercised on a GPU in CI:
+    # tools/gpu_check.py compares it with the dense reference before it becomes a default.
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+        _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, False, scale=scale
+    )[:2]
+    return out[0].transpose(0, 1), lse[0, :, : q.shape[0]]
+
+
+def flash_cuda_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+) -> Tuple[Tensor, Tensor, Tensor]:
+    empty = torch.empty(0, dtype=torch.int64, device=q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        _bhsd(dout).contiguous(), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out).contiguous(),
+        lse.unsqueeze(0).contiguous(), empty, empty, q.shape[0], k.shape[0], 0.0, causal, empty, empty,
+        scale=scale,
+    )
+    return dq[0].transpose(0, 1), dk[0].transpose(0, 1), dv[0].transpose(0, 1)
+
+
 KERNELS = {
     "flash_cpu": (flash_cpu_forward, flash_cpu_backward),
+    "flash_cuda": (flash_cuda_forward, flash_cuda_backward),
     "math": (math_forward, math_backward),
 }
 
