@@ -21,7 +21,8 @@ setup(
         "packaging",
     ],
     extras_require={
-        "dev": ["pytest>=7", "psutil", "safetensors", "matplotlib", "transformers", "nemo-run==0.11.1", "leptonai<0.47"],
+        "dev": ["pytest>=7", "psutil", "safetensors", "matplotlib", "transformers", "nemo-run==0.11.1", "leptonai<0.47",
+                "nvidia-modelopt==0.47.*", "requests", "huggingface_hub"],
         # GPU machines only: never let pip build Transformer Engine on a CPU machine.
         "te": ["transformer-engine[pytorch]"],
         "modelopt": ["nvidia-modelopt==0.47.*", "requests", "huggingface_hub"],
