@@ -21,6 +21,3 @@ def _probe(module: str) -> bool:
 
 HAVE_TE: bool = _probe("transformer_engine")
 HAVE_MODELOPT: bool = importlib.util.find_spec("modelopt") is not None
-HAVE_TRANSFORMERS: bool = importlib.util.find_spec("transformers") is not None
-HAVE_NEMO_RUN: bool = importlib.util.find_spec("nemo_run") is not None
-HAVE_SAFETENSORS: bool = importlib.util.find_spec("safetensors") is not None

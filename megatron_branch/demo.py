@@ -18,7 +18,7 @@ import json
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, List
 
 import torch
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Tuple, Union
 
-import torch
 from torch import Tensor
 
 from megatron_branch.scoring import (  # noqa: F401 - re-exported

@@ -51,6 +51,7 @@ class BranchPackedSeqParams(PackedSeqParams):
     _pieces: Dict[Tuple[Optional[int], Optional[int]], List[AttentionPiece]] = field(
         default_factory=dict, repr=False
     )
+    _rope: Dict[int, object] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_tree(cls, tree: BranchTree, device=None) -> "BranchPackedSeqParams":

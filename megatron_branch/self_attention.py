@@ -29,6 +29,12 @@ class BranchSelfAttention(SelfAttention):
 
     def forward(self, hidden_states, attention_mask, *args, **kwargs):
         params = kwargs.get("packed_seq_params")
-        if isinstance(params, BranchPackedSeqParams) and kwargs.get("rotary_pos_emb") is not None:
-            kwargs["rotary_pos_emb"] = gather_rotary(kwargs["rotary_pos_emb"], params.positions)
+        table = kwargs.get("rotary_pos_emb")
+        if isinstance(params, BranchPackedSeqParams) and table is not None:
+            # Every layer gets the same table: gather once per forward.
+            key = id(table[0] if isinstance(table, tuple) else table)
+            if key not in params._rope:
+                params._rope.clear()
+                params._rope[key] = (table, gather_rotary(table, params.positions))
+            kwargs["rotary_pos_emb"] = params._rope[key][1]
         return super().forward(hidden_states, attention_mask, *args, **kwargs)

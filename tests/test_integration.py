@@ -45,3 +45,5 @@ def test_apply_patches_checks_cleanly_and_reports_failures(tmp_path):
     assert (repo / "a.py").read_text() == "x = 1\n"  # nothing applied when one fails
     none = subprocess.run([sys.executable, TOOL, "--checkout", str(repo)], capture_output=True, text=True)
     assert none.returncode == 0 and "no patches" in none.stdout
+    not_git = subprocess.run([sys.executable, TOOL, "--checkout", str(tmp_path)], capture_output=True, text=True)
+    assert not_git.returncode == 2 and "is not a git checkout" in not_git.stderr

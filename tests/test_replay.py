@@ -8,7 +8,7 @@ from megatron_branch import losses
 from megatron_branch.naive import naive_rollout_logprobs
 from megatron_branch.replay import plan_replay, prefix_grad_bias, replay_logprobs, replay_step
 from megatron_branch.replay.plan import last_token
-from megatron_branch.synthetic import RolloutBatch, branching_rollouts
+from megatron_branch.synthetic import branching_rollouts
 from megatron_branch.verify import compare_grads, grads
 
 from conftest import VOCAB, make_pair

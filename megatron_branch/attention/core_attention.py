@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from typing import Literal, Optional
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 

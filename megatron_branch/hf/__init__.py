@@ -8,7 +8,7 @@ engine after each step. Mapping rules: :mod:`megatron_branch.hf.mapping`.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 from torch import Tensor

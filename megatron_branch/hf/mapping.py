@@ -107,6 +107,17 @@ def _qkv_from_megatron(qkv: Tensor, cfg: dict) -> Tuple[Tensor, Tensor, Tensor]:
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
+def _taker(todo: Dict[str, Tensor], what: str):
+    """``take(name)``: pop ``name`` from ``todo`` or raise naming it."""
+
+    def take(name: str) -> Tensor:
+        if name not in todo:
+            raise ValueError(f"{what}: missing tensor {name!r}")
+        return todo.pop(name)
+
+    return take
+
+
 def hf_to_megatron(state: Dict[str, Tensor], cfg: dict) -> Dict[str, Tensor]:
     """HF ``model.*`` / ``lm_head`` tensors -> stock Megatron names (copies, same dtype).
 
@@ -115,11 +126,7 @@ def hf_to_megatron(state: Dict[str, Tensor], cfg: dict) -> Dict[str, Tensor]:
     """
     _arch(cfg)
     todo = dict(state)
-
-    def take(name: str) -> Tensor:
-        if name not in todo:
-            raise ValueError(f"checkpoint: missing tensor {name!r}")
-        return todo.pop(name)
+    take = _taker(todo, "checkpoint")
 
     out = {"embedding.word_embeddings.weight": take("model.embed_tokens.weight")}
     for i in range(cfg["num_hidden_layers"]):
@@ -153,11 +160,7 @@ def hf_to_megatron(state: Dict[str, Tensor], cfg: dict) -> Dict[str, Tensor]:
 def megatron_to_hf(state: Dict[str, Tensor], cfg: dict) -> Dict[str, Tensor]:
     """Stock Megatron names -> HF names (inverse of :func:`hf_to_megatron`)."""
     todo = dict(state)
-
-    def take(name: str) -> Tensor:
-        if name not in todo:
-            raise ValueError(f"megatron state: missing tensor {name!r}")
-        return todo.pop(name)
+    take = _taker(todo, "megatron state")
 
     out = {"model.embed_tokens.weight": take("embedding.word_embeddings.weight")}
     for i in range(cfg["num_hidden_layers"]):

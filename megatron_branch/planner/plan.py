@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 from dataclasses import asdict
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from megatron_branch.planner.estimate import GB, Layout, Workload, memory_per_gpu, step_time
 from megatron_branch.planner.presets import GPUS, MODELS, GPUSpec, ModelSpec, model_from_hf_config
