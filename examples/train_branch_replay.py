@@ -1,14 +1,28 @@
-"""Branch-replay GRPO training of a tiny Llama-style model on any TP x CP x PP layout.
+"""Branch-replay GRPO training of a tiny Llama-style model on Megatron's machinery.
 
     torchrun --nproc_per_node 4 examples/train_branch_replay.py --tp 2 --cp 2 --steps 3
-    torchrun --nproc_per_node 2 examples/train_branch_replay.py --pp 2 --dump-grads grads.safetensors
+    torchrun --nproc_per_node 4 examples/train_branch_replay.py --distributed-optimizer \\
+        --prompts 48 32 40 24 --overlap-grad-reduce --micro-batch-tokens 200
+    python examples/train_branch_replay.py --naive --prompts 48 32 40 24 --dump-params naive.safetensors
 
-Random branching rollouts (from ``--seed``), a GRPO loss normalised by global token
-counts, plain ``torch.optim.AdamW``. Weights are drawn per parameter *name* from the
-seed, so every layout starts from the same model; ``--dump-grads`` writes the first
-step's full, unsharded gradients under stock Megatron names, identical in layout
-whatever TP/CP/PP was used, and ``--dump-logprobs`` the per-rollout log-probs. Runs on
-CPU with gloo (CPU shims applied) and on GPU with NCCL.
+The data-parallel size is ``world / (tp * cp * pp)``. Random branching rollouts (one tree
+per ``--prompts`` entry, from ``--seed``) form the global batch; whole trees are balanced
+over the DP ranks by work and packed into micro-batches of at most
+``--micro-batch-tokens`` unique tokens (a group is never cut). Each step computes the
+behaviour policy's log-probs (forward only), then one PPO/GRPO update with a loss summed
+over tokens; Megatron normalises by the global token count
+(``calculate_per_token_loss``). ``--optimizer megatron`` (default) wraps the model in
+Megatron's DDP and steps ``get_megatron_optimizer``'s Adam; ``--optimizer torch`` keeps
+Megatron's DDP for the gradient reduction and steps ``torch.optim.AdamW`` (fp32 only).
+
+``--naive`` trains the truth: the stock ``get_gpt_layer_local_spec`` model, every rollout
+its own sequence, the same micro-batches, DDP, optimizer and loss normalisation.
+Weights are drawn per parameter *name* from the seed, so every layout starts from the
+same model; ``--dump-params`` writes the unsharded parameters after the last step
+(``--steps 0``: the initial ones), ``--dump-grads`` the first step's reduced gradients and
+``--dump-logprobs`` its behaviour log-probs, all under stock Megatron names and identical
+in layout whatever TP/CP/PP/DP was used. Runs on CPU with gloo (CPU shims applied) and on
+GPU with NCCL.
 """
 
 from __future__ import annotations
@@ -16,6 +30,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import sys
 import warnings
 
 import torch
@@ -23,37 +38,84 @@ import torch.distributed as dist
 
 warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+warnings.filterwarnings("ignore", message=".*is deprecated. Please use.*")  # torch.distributed names
+warnings.filterwarnings("ignore", message=".*of a Tensor that is not a leaf Tensor is being accessed.*")
 
 import megatron_branch as mb  # noqa: E402
 from megatron_branch import losses  # noqa: E402
-from megatron_branch._megatron import parallel_state  # noqa: E402
+from megatron_branch._megatron import OptimizerConfig, parallel_state  # noqa: E402
 from megatron_branch.context_parallel import balance_report, shard_bounds  # noqa: E402
 from megatron_branch.distributed import destroy_distributed, init_distributed  # noqa: E402
 from megatron_branch.models import build_gpt, llama_config  # noqa: E402
-from megatron_branch.parallel import finalize_grads, full_state, load_full_state  # noqa: E402
+from megatron_branch.naive import make_naive_forward_step  # noqa: E402
+from megatron_branch.parallel import full_state, load_full_state  # noqa: E402
+from megatron_branch.pipeline import forward_backward  # noqa: E402
 from megatron_branch.synthetic import branching_rollouts  # noqa: E402
+from megatron_branch.training import (  # noqa: E402
+    forward_backward_step,
+    get_optimizer,
+    optimizer_step,
+    plan_data_parallel,
+    wrap_ddp,
+)
+from megatron_branch.unit import linear_weight  # noqa: E402
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel size")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (single-pass replay)")
-    p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism (needs --tp > 1)")
-    p.add_argument("--cp-comm", choices=["allgather", "p2p"], default="allgather", help="CP K/V exchange")
-    p.add_argument("--chunk-tokens", type=int, default=None, help="streaming replay budget (None: one pass)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=128)
-    p.add_argument("--prompts", type=int, nargs="+", default=[48, 32], help="prompt lengths (one tree each)")
-    p.add_argument("--branching", type=int, nargs="+", default=[2, 4], help="fan-out per response level")
-    p.add_argument("--segments", type=int, nargs="+", default=[8, 12], help="tokens per response level")
-    p.add_argument("--dump-grads", metavar="PATH", help="first step's unsharded gradients (safetensors)")
-    p.add_argument("--dump-logprobs", metavar="PATH", help="first step's per-rollout log-probs (safetensors)")
-    return p.parse_args(argv)
+    g = p.add_argument_group("layout (data-parallel size = world / (tp * cp * pp))")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    g.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (one pass per micro-batch)")
+    g.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism (needs --tp > 1)")
+    g.add_argument("--cp-comm", choices=["allgather", "p2p"], default="allgather", help="CP K/V exchange")
+    g = p.add_argument_group("replay")
+    g.add_argument("--chunk-tokens", type=int, default=None,
+                   help="streaming replay budget per forward (default: one pass per micro-batch)")
+    g.add_argument("--micro-batch-tokens", type=int, default=None,
+                   help="most unique tokens per micro-batch (default: one micro-batch per DP rank)")
+    g.add_argument("--naive", action="store_true",
+                   help="train the truth: stock local spec, every rollout its own sequence (pp = cp = 1)")
+    g = p.add_argument_group("optimizer")
+    g.add_argument("--optimizer", choices=["megatron", "torch"], default="megatron",
+                   help="megatron: get_megatron_optimizer's Adam; torch: torch.optim.AdamW on main_grad")
+    g.add_argument("--distributed-optimizer", action="store_true", help="shard optimizer state over DP")
+    g.add_argument("--overlap-grad-reduce", action="store_true", help="reduce DDP buckets during the backward")
+    g.add_argument("--bucket-size", type=int, default=None, help="DDP bucket size (parameters)")
+    g.add_argument("--bf16", action="store_true", help="bf16 model (Float16Module), fp32 main params and grads")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon")
+    g.add_argument("--steps", type=int, default=3, help="optimizer steps (0: only dump the initial weights)")
+    g = p.add_argument_group("model and data")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--layers", type=int, default=2)
+    g.add_argument("--hidden", type=int, default=64)
+    g.add_argument("--vocab", type=int, default=128)
+    g.add_argument("--tie-embeddings", action="store_true", help="share input embeddings and output layer")
+    g.add_argument("--prompts", type=int, nargs="+", default=[48, 32], help="prompt lengths (one group/tree each)")
+    g.add_argument("--branching", type=int, nargs="+", default=[2, 4], help="fan-out per response level")
+    g.add_argument("--segments", type=int, nargs="+", default=[8, 12], help="tokens per response level")
+    g.add_argument("--jitter", type=int, default=0, help="up to this many extra tokens per leaf (ragged rollouts)")
+    g = p.add_argument_group("layout-dependent baselines (what whole-tree DP and global counts avoid)")
+    g.add_argument("--cut-groups", action="store_true",
+                   help="deal single rollouts over DP ranks instead of whole groups (loses the sharing)")
+    g.add_argument("--per-microbatch-mean", action="store_true",
+                   help="normalise each micro-batch by its own token count (Megatron's default mean): "
+                        "the update then depends on the layout")
+    g = p.add_argument_group("outputs")
+    g.add_argument("--dump-grads", metavar="PATH", help="first step's reduced, unsharded gradients (safetensors)")
+    g.add_argument("--dump-logprobs", metavar="PATH", help="first step's per-rollout behaviour log-probs")
+    g.add_argument("--dump-params", metavar="PATH", help="unsharded parameters after the last step")
+    args = p.parse_args(argv)
+    if args.naive and (args.pp > 1 or args.cp > 1):
+        p.error("--naive: runs with --pp 1 --cp 1 (the stock local spec has no tree CP)")
+    if args.optimizer == "torch" and (args.bf16 or args.distributed_optimizer):
+        p.error("--optimizer torch: fp32 without --distributed-optimizer (use --optimizer megatron)")
+    if args.dump_grads and args.distributed_optimizer:
+        p.error("--dump-grads: the distributed optimizer keeps only each rank's shard of the reduced gradient")
+    if args.chunk_tokens is not None and args.pp > 1:
+        p.error("--chunk-tokens: streaming replay runs with --pp 1")
+    return args
 
 
 def seeded_state(model, seed: int):
@@ -74,20 +136,63 @@ def save_tensors(path: str, tensors) -> None:
     os.replace(tmp, path)
 
 
-def pipeline_logprobs(model, tree):
-    """Per-rollout log-probs from a forward-only schedule, on every rank."""
-    from megatron_branch.pipeline import forward_backward
+def build(args):
+    config = llama_config(
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=4, num_query_groups=2,
+        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+        context_parallel_size=args.cp, sequence_parallel=args.sequence_parallel,
+        pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32, bf16=args.bf16,
+        calculate_per_token_loss=True,
+        # Trees differ in size and CP shards are work-balanced (uneven), so pipeline stages
+        # exchange shapes; Megatron's config validation ties that to the alltoall dispatcher
+        # even for dense models.
+        **(dict(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall") if args.pp > 1 else {}),
+    )
+    model = build_gpt(config, args.vocab, branch=not args.naive,
+                      share_embeddings_and_output_weights=args.tie_embeddings,
+                      pre_process=parallel_state.is_pipeline_first_stage(),
+                      post_process=parallel_state.is_pipeline_last_stage())
+    if torch.cuda.is_available():
+        model.cuda()
+    load_full_state(model, seeded_state(model, args.seed))
+    ddp = wrap_ddp(model, bf16=args.bf16, overlap_grad_reduce=args.overlap_grad_reduce,
+                   use_distributed_optimizer=args.distributed_optimizer, bucket_size=args.bucket_size)
+    if args.optimizer == "megatron":
+        optimizer = get_optimizer(OptimizerConfig(
+            optimizer="adam", lr=args.lr, adam_eps=args.adam_eps, weight_decay=0.0, clip_grad=0.0, bf16=args.bf16,
+            use_distributed_optimizer=args.distributed_optimizer), [ddp])
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=0.0)
+    return config, model, ddp, optimizer
 
-    box = {}
+
+def behaviour_logprobs(args, ddp, items, width, num_rollouts, sequences):
+    """``[R, width]`` log-probs of this rank's rollouts under the current policy (zeros elsewhere)."""
+    out = torch.zeros(num_rollouts, width)
 
     def keep(lp, ids):
-        box["lp"] = lp.detach()
+        out[ids] = lp.detach().float().cpu()
         return lp.new_zeros(())
 
-    forward_backward(model, [tree], keep, forward_only=True)
-    found = [None] * dist.get_world_size()
-    dist.all_gather_object(found, box.get("lp"))
-    return next(x for x in found if x is not None)
+    if args.naive:
+        forward_backward([ddp], items, keep, forward_only=True,
+                         forward_step_func=make_naive_forward_step(keep, sequences, forward_only=True))
+    elif args.pp == 1:
+        for item in items:
+            lp = mb.replay_logprobs(ddp, item.tree, max_chunk_tokens=args.chunk_tokens)
+            out[item.rollouts] = item.pad(lp).float().cpu()
+    else:
+        forward_backward([ddp], items, keep, forward_only=True, cp_comm_type=args.cp_comm)
+    return out
+
+
+def global_logprobs(local: torch.Tensor) -> torch.Tensor:
+    """Every rollout's log-probs on every rank: each lives on one DP rank's last stage."""
+    full = local.clone()
+    for group in (parallel_state.get_data_parallel_group(), parallel_state.get_pipeline_model_parallel_group()):
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(full, group=group)
+    return full
 
 
 def main(argv=None) -> int:
@@ -96,62 +201,77 @@ def main(argv=None) -> int:
         mb.enable_cpu()
     init_distributed(args.tp, args.pp, args.cp)
     rank = dist.get_rank()
-    config = llama_config(
-        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=4, num_query_groups=2,
-        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-        context_parallel_size=args.cp, sequence_parallel=args.sequence_parallel,
-        pipeline_dtype=torch.float32,
-    )
-    model = build_gpt(config, args.vocab, pre_process=parallel_state.is_pipeline_first_stage(),
-                      post_process=parallel_state.is_pipeline_last_stage())
-    if torch.cuda.is_available():
-        model.cuda()
-    load_full_state(model, seeded_state(model, args.seed))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    dp_size = parallel_state.get_data_parallel_world_size()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    config, model, ddp, optimizer = build(args)
 
-    batch = branching_rollouts(args.prompts, args.branching, args.segments, args.vocab, seed=args.seed)
-    tree = mb.BranchTree.from_sequences(batch.sequences, vocab_size=args.vocab)
-    group = len(batch.sequences) // len(args.prompts)
-    rewards = torch.rand(len(batch.sequences), generator=torch.Generator().manual_seed(args.seed))
+    batch = branching_rollouts(args.prompts, args.branching, args.segments, args.vocab, seed=args.seed,
+                               jitter=args.jitter)
+    sequences = batch.sequences
+    groups = list(range(len(sequences))) if args.cut_groups else batch.group
+    plan = plan_data_parallel(sequences, groups, dp_size, micro_batch_tokens=args.micro_batch_tokens,
+                              streaming=args.chunk_tokens is not None, linear_weight=linear_weight(config))
+    items = plan.ranks[dp_rank]
+    width = max(len(s) for s in sequences) - 1
+    group = len(sequences) // len(args.prompts)
+    rewards = torch.rand(len(sequences), generator=torch.Generator().manual_seed(args.seed))
     adv = losses.grpo_advantages(rewards, group)
     mask = losses.response_mask(batch.lengths, batch.prompt_lengths)
-    tokens = mask.sum()
     if rank == 0:
-        print(f"layout tp={args.tp} cp={args.cp} pp={args.pp}; {tree}")
+        mode = "naive (stock spec, every rollout alone)" if args.naive else "branch replay"
+        tree = mb.BranchTree.from_sequences(sequences)
+        print(f"{mode}; layout tp={args.tp} cp={args.cp} pp={args.pp} dp={dp_size}; {tree}", flush=True)
+        print(plan.report(), flush=True)
         if args.cp > 1:
-            print(balance_report(tree.positions, shard_bounds(tree.positions, args.cp)))
+            first = items[0].tree
+            print("context-parallel shards of the first micro-batch:")
+            print(balance_report(first.positions, shard_bounds(first.positions, args.cp, linear_weight(config))),
+                  flush=True)
 
     for step in range(args.steps):
-        old = mb.replay_logprobs(model, tree) if args.pp == 1 else pipeline_logprobs(model, tree)
+        old = behaviour_logprobs(args, ddp, items, width, len(sequences), sequences)
 
         def loss_fn(lp, ids):
-            return losses.ppo_policy_loss(lp, old[ids].to(lp.device), adv[ids].to(lp.device),
-                                          mask[ids].to(lp.device), global_tokens=tokens)[0]
+            m = mask[ids].to(lp.device)
+            loss = losses.ppo_policy_loss(lp, old[ids].to(lp.device), adv[ids].to(lp.device), m,
+                                          global_tokens=1.0)[0]
+            if args.per_microbatch_mean:
+                return loss / m.sum().clamp(min=1.0), torch.ones(())
+            return loss, m.sum()
 
-        optimizer.zero_grad(set_to_none=True)
-        if args.pp == 1:
-            loss = mb.replay_step(model, tree, loss_fn, max_chunk_tokens=args.chunk_tokens,
-                                  cp_comm_type=args.cp_comm).loss
-        else:
-            from megatron_branch.pipeline import forward_backward
-
-            out = forward_backward(model, [tree], loss_fn)
-            loss = float(out[0]["loss"]) if out else float("nan")
-        finalize_grads(model)
+        if args.optimizer == "megatron":
+            optimizer.zero_grad()
+        loss_sum, tokens = forward_backward_step([ddp], items, loss_fn, max_chunk_tokens=args.chunk_tokens,
+                                                 cp_comm_type=args.cp_comm, forward_step_func=(
+                                                     make_naive_forward_step(loss_fn, sequences)
+                                                     if args.naive else None))
         if step == 0 and args.dump_grads:
-            grads = full_state(model, "grad")
+            grads = full_state(ddp, "grad")
             if rank == 0:
                 save_tensors(args.dump_grads, grads)
-        if step == 0 and args.dump_logprobs and rank == 0:
-            save_tensors(args.dump_logprobs, {"logprobs": old.float().cpu()})
-        optimizer.step()
+        if step == 0 and args.dump_logprobs:
+            lp_all = global_logprobs(old)
+            if rank == 0:
+                save_tensors(args.dump_logprobs, {"logprobs": lp_all})
+        if args.optimizer == "megatron":
+            ok, grad_norm, _ = optimizer_step(optimizer)
+        else:
+            for p in model.parameters():
+                p.grad = p.main_grad.to(p.dtype)
+            optimizer.step()
+            grad_norm = None
         reporter = (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
-                    and parallel_state.get_context_parallel_rank() == 0)
+                    and parallel_state.get_context_parallel_rank() == 0 and dp_rank == 0)
         if reporter:
-            print(f"step {step}: loss {loss:+.6e}")
+            norm = f", grad norm {grad_norm:.6e}" if grad_norm is not None else ""
+            print(f"step {step}: rank-0 loss sum {loss_sum:+.6e} over {tokens} tokens{norm}", flush=True)
+    if args.dump_params:
+        params = full_state(ddp, "param")
+        if rank == 0:
+            save_tensors(args.dump_params, params)
     destroy_distributed()
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

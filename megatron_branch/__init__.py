@@ -32,7 +32,7 @@ _EXPORTS = {
     "replay_step": "megatron_branch.replay",
     "rollout_logprobs": "megatron_branch.logprobs",
 }
-_SUBMODULES = {"hf", "losses", "context_parallel", "parallel", "pipeline", "models", "logprobs", "replay"}
+_SUBMODULES = {"hf", "losses", "context_parallel", "parallel", "pipeline", "models", "logprobs", "replay", "training"}
 
 
 def __getattr__(name: str) -> Any:

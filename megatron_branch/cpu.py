@@ -23,8 +23,7 @@ Patched points (megatron-core 0.16.1, torch 2.13 CPU build):
   ``not sequence_parallel``. A torch norm is correct under sequence parallelism as long
   as its weight gradients are summed over the TP group, so the shim builds the same
   ``torch.nn.RMSNorm``/``LayerNorm`` and marks its parameters ``sequence_parallel``
-  (Megatron's gradient finalisation and :func:`megatron_branch.parallel.finalize_grads`
-  then all-reduce them).
+  (Megatron's ``finalize_model_grads`` then all-reduces them over TP).
 * ``megatron.core.utils.is_te_min_version`` — raises ``TypeError`` when Transformer Engine
   is absent; made to answer ``False``.
 
@@ -170,16 +169,29 @@ class _CudaFactoriesOnCpu(TorchFunctionMode):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.cuda:
             return args[0]
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and isinstance(out, str):
+            # megatron's optimizers check ``param.type() == 'torch.cuda.FloatTensor'``
+            return out.replace("torch.", "torch.cuda.", 1) if not out.startswith("torch.cuda.") else out
+        return out
 
 
 @contextlib.contextmanager
 def cuda_factories_on_cpu():
     """Inside, tensors that megatron code creates with ``device="cuda"`` (or ``.cuda()``)
-    stay on the CPU; a no-op where CUDA is available.
+    stay on the CPU, and ``tensor.type()`` answers with CUDA type names; a no-op where
+    CUDA is available.
 
-    megatron-core 0.16's pipeline schedules allocate a token counter with a literal
-    ``device="cuda"``; wrap the schedule call in this (``megatron_branch.pipeline`` does).
+    Scoped, for the megatron-core calls that assume a GPU:
+
+    * the pipeline schedules allocate a token counter with a literal ``device="cuda"``
+      (``megatron_branch.pipeline`` wraps them);
+    * Megatron's optimizers (``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``,
+      ``DistributedOptimizer``, the grad scalers, ``clip_grad_by_total_norm_fp32``)
+      allocate their flags and norms with ``device='cuda'`` and check
+      ``param.type() == 'torch.cuda.FloatTensor'`` (and the bf16/fp16 names) before they
+      accept a parameter; ``megatron_branch.training`` wraps construction and ``step``;
+    * ``finalize_model_grads`` under the per-token loss.
     """
     if torch.cuda.is_available():
         yield

@@ -15,6 +15,7 @@ from megatron_branch.scoring import (  # noqa: F401 - re-exported
     unwrap,
     vocab_parallel_entropy,
 )
+from megatron_branch.training.ddp import single_chunk
 from megatron_branch.tree import BranchTree
 from megatron_branch.unit import forward_unit
 
@@ -30,8 +31,9 @@ def rollout_logprobs(
     cross-entropy, so it works with tensor-parallel logits.
 
     Args:
-        model: a GPTModel (or a wrapper with ``.module``) built with the branch spec,
-            with ``post_process=True``.
+        model: a GPTModel built with the branch spec, with ``post_process=True``; possibly
+            wrapped (``Float16Module``, Megatron's ``DistributedDataParallel``) or a
+            one-element list of chunks.
         tree: the packed rollouts.
         entropy: also return per-token entropies.
         cp_comm_type: with context parallelism, ``"allgather"`` or ``"p2p"`` K/V exchange
@@ -45,6 +47,7 @@ def rollout_logprobs(
     Raises:
         ValueError: the model lacks tree attention, or a token id is outside its vocabulary.
     """
+    model = single_chunk(model, "rollout_logprobs")
     check_model(model, tree)
     idx, lp_child, ent_child = forward_unit(
         model, tree, 0, tree.unique_positions, cp_comm_type=cp_comm_type, entropy=entropy

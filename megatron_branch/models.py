@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_branch._megatron import GPTModel, TransformerConfig, get_gpt_layer_local_spec
+from megatron_branch.cpu import cuda_factories_on_cpu
 from megatron_branch.spec import get_branch_layer_spec
 
 
@@ -84,10 +85,12 @@ def build_gpt(
         torch.manual_seed(seed)
     model_kwargs.setdefault("share_embeddings_and_output_weights", False)
     model_kwargs.setdefault("position_embedding_type", "rope")
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=vocab_size,
-        max_sequence_length=max_sequence_length,
-        **model_kwargs,
-    )
+    # Tied embeddings under pipeline parallelism move the last stage's copy with .cuda().
+    with cuda_factories_on_cpu():
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=vocab_size,
+            max_sequence_length=max_sequence_length,
+            **model_kwargs,
+        )

@@ -63,3 +63,43 @@ def batched_rollout_logprobs(model, sequences: Sequence) -> Tensor:
     lp = _token_logprobs(logits[:, :-1], ids[:, 1:])
     valid = torch.arange(1, width, device=device)[None, :] < lengths[:, None]
     return torch.where(valid, lp, torch.zeros((), device=device))
+
+
+def make_naive_forward_step(loss_fn, sequences: Sequence, forward_only: bool = False):
+    """The naive truth as a Megatron ``forward_step_func``: each micro-batch's rollouts as one
+    right-padded causal batch through a stock-spec model (every rollout its own sequence).
+
+    The data iterator yields :class:`~megatron_branch.training.batching.TreeMicroBatch`
+    (only ``rollouts`` and ``width`` are used, so the naive run sees exactly the same
+    micro-batches as branch replay). ``loss_fn`` is the branch-replay one:
+    ``(lp [r, width], rollout_ids [r]) -> (loss_sum, num_tokens)``. Pipeline size 1.
+    """
+    seqs = _as_list(sequences)
+
+    def forward_step(data_iterator, model):
+        item = next(data_iterator)
+        ids_r = item.rollouts
+        device = next(model.parameters()).device
+        lengths = torch.tensor([seqs[int(r)].numel() for r in ids_r], device=device)
+        width = int(lengths.max())
+        ids = torch.zeros(len(ids_r), width, dtype=torch.long, device=device)
+        for i, r in enumerate(ids_r):
+            ids[i, : lengths[i]] = seqs[int(r)].to(device)
+        pos = torch.arange(width, device=device).unsqueeze(0).expand(len(ids_r), -1)
+        mask = torch.ones(width, width, dtype=torch.bool, device=device).triu(1)[None, None]
+        output = model(ids, pos, attention_mask=mask)
+
+        def loss_func(logits: Tensor):
+            lp = _token_logprobs(logits[:, :-1], ids[:, 1:])
+            valid = torch.arange(1, width, device=device)[None, :] < lengths[:, None]
+            lp = torch.where(valid, lp, torch.zeros((), device=device))
+            out = loss_fn(torch.nn.functional.pad(lp, (0, item.width - lp.shape[1])), ids_r)
+            if not isinstance(out, (tuple, list)):
+                return out, {"loss": out.detach()}
+            loss, count = out
+            tokens = torch.tensor(int(round(float(count))), dtype=torch.int)
+            return loss, tokens, {"loss": loss.detach().float(), "num_tokens": tokens}
+
+        return output, loss_func
+
+    return forward_step

@@ -1,19 +1,18 @@
-"""Gradient finalisation and full (unsharded) weights/gradients across TP, CP and PP.
+"""Full (unsharded) weights and gradients across TP and PP, under stock Megatron names.
 
-* :func:`finalize_grads`: what Megatron's ``finalize_model_grads`` does for a plain
-  (non-DDP) model, with *sum* semantics: sequence-parallel norm weights summed over TP,
-  every gradient summed over CP (each CP rank holds its shard's share of the tree) and
-  over DP (the losses in :mod:`megatron_branch.losses` are normalised by global counts,
-  so ranks' losses add up to the batch loss).
-* :func:`full_state` / :func:`load_full_state`: stock Megatron names with TP shards
-  joined and pipeline stages' layers renumbered globally, identical whatever the layout;
-  used by the example's ``--dump-grads`` and to start parallel runs from one checkpoint.
+:func:`full_state` / :func:`load_full_state` join TP shards and renumber pipeline
+stages' layers globally, identical whatever the layout; used by the example's
+``--dump-grads``/``--dump-params`` and to start parallel runs from one set of weights.
+Gradients are read from Megatron DDP's ``main_grad`` when the model is wrapped (after
+``finalize_model_grads`` every rank holds the reduced gradient of its shard).
+Gradient reduction itself is Megatron's ``finalize_model_grads``
+(:mod:`megatron_branch.training`).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Callable, Dict, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -21,32 +20,13 @@ from torch import Tensor
 
 from megatron_branch._megatron import parallel_state
 from megatron_branch.scoring import unwrap
+from megatron_branch.training.ddp import param_grad
 
 _LAYER = re.compile(r"^(.*decoder\.layers\.)(\d+)(\..*)$")
 
 
 def _size(group) -> int:
     return dist.get_world_size(group) if group is not None else 1
-
-
-def finalize_grads(model) -> None:
-    """Reduce parameter gradients so every rank holds the single-process gradient.
-
-    Call after the step's backward(s), before the optimizer.
-    """
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    config = unwrap(model).config
-    for p in model.parameters():
-        if p.grad is None:
-            continue
-        if config.sequence_parallel and getattr(p, "sequence_parallel", False) and _size(tp_group) > 1:
-            dist.all_reduce(p.grad, group=tp_group)
-    for group in (parallel_state.get_context_parallel_group(),
-                  parallel_state.get_data_parallel_group(with_context_parallel=False)):
-        if _size(group) > 1:
-            for p in model.parameters():
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, group=group)
 
 
 def _global_name(model, name: str) -> str:
@@ -56,6 +36,15 @@ def _global_name(model, name: str) -> str:
         return name
     layer = unwrap(model).decoder.layers[int(m.group(2))]
     return f"{m.group(1)}{layer.layer_number - 1}{m.group(3)}"
+
+
+_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def _tied_copy(name: str, param) -> bool:
+    """The last pipeline stage's copy of tied word embeddings (Megatron keeps it equal to
+    the first stage's ``embedding.word_embeddings.weight`` and sums their gradients)."""
+    return name == "output_layer.weight" and getattr(param, "shared_embedding", False)
 
 
 def _is_gated_fc1(name: str, config) -> bool:
@@ -92,11 +81,19 @@ def full_state(model, which: str = "grad") -> Dict[str, Tensor]:
     """
     config = unwrap(model).config
     tp_group = parallel_state.get_tensor_model_parallel_group()
-    pick: Callable = (lambda p: p.grad if p.grad is not None else torch.zeros_like(p)) if which == "grad" \
-        else (lambda p: p.data)
+
+    def pick(p):
+        if which == "param":
+            return p.data
+        grad = param_grad(p)
+        return grad if grad is not None else torch.zeros_like(p)
+
     mine = {}
     for name, p in unwrap(model).named_parameters():
-        mine[_global_name(model, name)] = _join_tp(name, pick(p).detach(), p, config, tp_group).float().cpu()
+        if _tied_copy(name, p):
+            continue
+        local = _join_tp(name, pick(p).detach(), p, config, tp_group)
+        mine[_global_name(model, name)] = local.to("cpu", torch.float32, copy=True)  # never a view of a live buffer
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     if _size(pp_group) == 1:
         return mine
@@ -118,7 +115,7 @@ def load_full_state(model, state: Dict[str, Tensor]) -> None:
     tp_group = parallel_state.get_tensor_model_parallel_group()
     with torch.no_grad():
         for name, p in unwrap(model).named_parameters():
-            key = _global_name(model, name)
+            key = _EMBEDDING if _tied_copy(name, p) else _global_name(model, name)
             if key not in state:
                 raise ValueError(f"state: missing parameter {key!r}")
             local = _split_tp(name, state[key], p, config, tp_group)

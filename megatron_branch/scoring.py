@@ -21,6 +21,9 @@ def model_device(model) -> torch.device:
 
 
 def check_model(model, tree: BranchTree) -> None:
+    from megatron_branch.training.ddp import check_wrapper
+
+    check_wrapper(model)
     if not is_branch_model(model):
         raise ValueError(
             "model: not built with megatron_branch.get_branch_layer_spec (no tree attention "

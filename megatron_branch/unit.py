@@ -48,6 +48,68 @@ class ChildIndex:
         return torch.from_numpy(np.sort(self._order[lo:hi]))
 
 
+def prepare_unit(
+    model,
+    tree: BranchTree,
+    start: int,
+    end: int,
+    *,
+    cp_comm_type: str = "allgather",
+    cp_linear_weight: Optional[float] = None,
+    **cache,
+) -> Tuple[BranchPackedSeqParams, Tensor]:
+    """Tree data and input ids of the unit ``[start, end)`` for this rank.
+
+    Returns:
+        ``(params, ids [n_local])``: the :class:`BranchPackedSeqParams` (SP padding and the
+        CP split applied) and the token ids this rank feeds the model.
+    """
+    if cp_comm_type not in CP_COMM_TYPES:
+        raise ValueError(f"cp_comm_type: {cp_comm_type!r} is not one of {CP_COMM_TYPES}")
+    device = model_device(model)
+    config = unwrap(model).config
+    multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    cp_group = _cp_group()
+    if cp_group is not None and cp_linear_weight is None:
+        cp_linear_weight = linear_weight(config)
+    params = BranchPackedSeqParams.for_unit(
+        tree, start, end, device, multiple=multiple, cp_group=cp_group, cp_comm_type=cp_comm_type,
+        cp_linear_weight=cp_linear_weight or 0.0,
+        rope_group=singleton_group() if cp_group is not None else None, **cache,
+    )
+    lo, hi = params.local
+    n_pad = params.total - params.num_real
+    ids = torch.cat([tree.tokens[start:end], torch.zeros(n_pad, dtype=torch.long)])[lo:hi]
+    return params, ids.to(device)
+
+
+def score_unit(
+    logits: Tensor,
+    tree: BranchTree,
+    start: int,
+    end: int,
+    params: BranchPackedSeqParams,
+    children: ChildIndex,
+    entropy: bool = False,
+) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """Log-probs of every token whose parent lies in ``[start, end)``, from this rank's
+    logits ``[n_local, V / tp]`` of the unit; all-reduced over CP (identity backward), so
+    every rank returns the same differentiable values."""
+    lo, hi = params.local
+    real_hi = min(hi, params.num_real)
+    mine = children(start + lo, start + real_hi) if real_hi > lo else torch.zeros(0, dtype=torch.long)
+    rows = (tree.parents[mine] - start - lo).to(logits.device)
+    lp, ent = child_logprobs(logits, rows, tree.tokens[mine].to(logits.device), entropy)
+    if params.cp is None:
+        return mine, lp, ent
+    group = params.cp.group
+    idx = children(start, end)
+    where = torch.searchsorted(idx, mine).to(logits.device)
+    full = lp.new_zeros(idx.numel()).index_put((where,), lp)
+    full_ent = None if ent is None else ent.new_zeros(idx.numel()).index_put((where,), ent)
+    return idx, sum_across(full, group), (None if ent is None else sum_across(full_ent, group))
+
+
 def forward_unit(
     model,
     tree: BranchTree,
@@ -63,7 +125,7 @@ def forward_unit(
     """Forward ``[start, end)`` and score every token whose parent lies in it.
 
     Args:
-        model: GPTModel built with the branch spec (``post_process=True``).
+        model: GPTModel built with the branch spec (``post_process=True``), possibly wrapped.
         tree: the packed tree.
         start, end: the unit (see :meth:`BranchPackedSeqParams.for_unit`).
         children: a :class:`ChildIndex` of ``tree`` (built if None).
@@ -76,33 +138,9 @@ def forward_unit(
         ``(idx [m], lp [m], ent [m] or None)``: packed indices of the scored tokens and
         their log-probs, the same on every CP and TP rank, differentiable.
     """
-    if cp_comm_type not in CP_COMM_TYPES:
-        raise ValueError(f"cp_comm_type: {cp_comm_type!r} is not one of {CP_COMM_TYPES}")
     children = children or ChildIndex(tree)
-    device = model_device(model)
-    config = unwrap(model).config
-    multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
-    cp_group = _cp_group()
-    if cp_group is not None and cp_linear_weight is None:
-        cp_linear_weight = linear_weight(config)
-    params = BranchPackedSeqParams.for_unit(
-        tree, start, end, device, multiple=multiple, cp_group=cp_group, cp_comm_type=cp_comm_type,
-        cp_linear_weight=cp_linear_weight or 0.0,
-        rope_group=singleton_group() if cp_group is not None else None, **cache,
-    )
-    lo, hi = params.local
-    n_pad = params.total - params.num_real
-    ids = torch.cat([tree.tokens[start:end], torch.zeros(n_pad, dtype=torch.long)])[lo:hi]
-    logits = model(ids.to(device).unsqueeze(0), params.positions.unsqueeze(0), attention_mask=None,
+    params, ids = prepare_unit(model, tree, start, end, cp_comm_type=cp_comm_type,
+                               cp_linear_weight=cp_linear_weight, **cache)
+    logits = model(ids.unsqueeze(0), params.positions.unsqueeze(0), attention_mask=None,
                    packed_seq_params=params)[0]  # [n_local, V/tp]
-    real_hi = min(hi, params.num_real)
-    mine = children(start + lo, start + real_hi) if real_hi > lo else torch.zeros(0, dtype=torch.long)
-    rows = (tree.parents[mine] - start - lo).to(device)
-    lp, ent = child_logprobs(logits, rows, tree.tokens[mine].to(device), entropy)
-    if cp_group is None:
-        return mine, lp, ent
-    idx = children(start, end)
-    where = torch.searchsorted(idx, mine).to(device)
-    full = lp.new_zeros(idx.numel()).index_put((where,), lp)
-    full_ent = None if ent is None else ent.new_zeros(idx.numel()).index_put((where,), ent)
-    return idx, sum_across(full, cp_group), (None if ent is None else sum_across(full_ent, cp_group))
+    return score_unit(logits, tree, start, end, params, children, entropy)

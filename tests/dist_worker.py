@@ -47,28 +47,34 @@ def build(tp=1, pp=1, sp=False, **overrides):
 
     config = llama_config(**MODEL, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                           context_parallel_size=parallel_state.get_context_parallel_world_size(),
-                          sequence_parallel=sp, pipeline_dtype=torch.float32, **overrides)
+                          sequence_parallel=sp, pipeline_dtype=torch.float32,
+                          calculate_per_token_loss=True, **overrides)
     return build_gpt(config, VOCAB, seed=0,
                      pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage())
 
 
 def run_case(model, batch, tree, chunk, comm, pp):
+    """One replay step on a Megatron-DDP-wrapped model, reduced by ``finalize_model_grads``
+    (the loss is normalised by global counts, so DDP sums: ``calculate_per_token_loss``)."""
     from megatron_branch import replay_step, rollout_logprobs
-    from megatron_branch.parallel import finalize_grads, full_state
+    from megatron_branch._megatron import finalize_model_grads
+    from megatron_branch.cpu import cuda_factories_on_cpu
+    from megatron_branch.parallel import full_state
 
     loss_fn = make_loss(batch)
-    model.zero_grad(set_to_none=True)
+    model.zero_grad_buffer()
     lp = None
     if pp > 1:
         from megatron_branch.pipeline import forward_backward
 
-        forward_backward(model, [tree], loss_fn)
+        forward_backward(model, [tree], lambda lp, ids: (loss_fn(lp, ids), torch.ones(())), cp_comm_type=comm)
     else:
         replay_step(model, tree, loss_fn, max_chunk_tokens=chunk, cp_comm_type=comm)
         with torch.no_grad():
             lp = rollout_logprobs(model, tree, cp_comm_type=comm)
-    finalize_grads(model)
+    with cuda_factories_on_cpu():
+        finalize_model_grads([model])
     out = {"grads": full_state(model, "grad")}
     if lp is not None:
         out["lp"] = lp
@@ -88,8 +94,11 @@ def worker(rank, world, port, layout, cases, weights, out_dir):
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=layout["tp"], pipeline_model_parallel_size=layout["pp"],
             context_parallel_size=layout["cp"])
+        from megatron_branch.training import wrap_ddp
+
         model = build(layout["tp"], layout["pp"], layout.get("sp", False))
         load_full_state(model, torch.load(weights))
+        model = wrap_ddp(model)
         data = trees()
         results = {}
         for name, chunk, comm in cases:

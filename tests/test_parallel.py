@@ -1,7 +1,8 @@
 """TP, CP, TP x CP and PP branch replay equal the single-process run (gloo, CPU).
 
-Every rank's unsharded gradients after ``finalize_grads`` and its per-rollout
-log-probs are compared with one process running the same step.
+Every rank's unsharded gradients after Megatron's ``finalize_model_grads`` (models in
+Megatron's DDP) and its per-rollout log-probs are compared with one process running the
+same step.
 """
 
 import pytest
@@ -22,8 +23,11 @@ TOL = 1e-5
 def reference(tmp_path_factory):
     """Weights file and single-process results for every case."""
     path = tmp_path_factory.mktemp("weights") / "full.pt"
+    from megatron_branch.training import wrap_ddp
+
     model = dist_worker.build()
     torch.save(full_state(model, "param"), path)
+    model = wrap_ddp(model)
     results = {}
     for name, (batch, tree) in dist_worker.trees().items():
         results[name] = dist_worker.run_case(model, batch, tree, None, "allgather", 1)

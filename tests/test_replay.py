@@ -254,9 +254,9 @@ def test_bad_inputs():
     batch = one_prompt_tails()
     tree = mb.BranchTree.from_sequences(batch.sequences)
     branch, stock = make_pair()
-    with pytest.raises(ValueError, match="loss_fn: must return a scalar tensor, got \\(2,\\)"):
+    with pytest.raises(ValueError, match="loss_fn: must return a scalar tensor.*got \\(2,\\)"):
         replay_step(branch, tree, lambda lp, ids: lp.sum(-1)[:2], max_chunk_tokens=20)
-    with pytest.raises(ValueError, match="loss_fn: must return a scalar tensor, got float"):
+    with pytest.raises(ValueError, match="loss_fn: must return a scalar tensor.*got float"):
         replay_step(branch, tree, lambda lp, ids: 1.0)
     with pytest.raises(ValueError, match="get_branch_layer_spec"):
         replay_step(stock, tree, Loss(batch))

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Literal, Optional, Sequence
+from typing import Callable, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -32,10 +32,11 @@ from megatron_branch.memory import PeakMemory
 from megatron_branch.prefix_cache import StemCache
 from megatron_branch.replay.plan import ReplayOp, plan_replay, unit_of_rollouts
 from megatron_branch.scoring import check_model, model_device
+from megatron_branch.training.ddp import GradSync, as_chunks, param_grad, single_chunk
 from megatron_branch.tree import BranchTree
 from megatron_branch.unit import ChildIndex, forward_unit
 
-LossFn = Callable[[Tensor, Tensor], Tensor]
+LossFn = Callable[[Tensor, Tensor], Union[Tensor, Tuple[Tensor, Tensor]]]
 PrefixGrad = Literal["exact", "detached"]
 
 
@@ -54,6 +55,8 @@ class ReplayStats:
         peak_cache_bytes: most K/V bytes held in the prefix cache at once.
         peak_memory_bytes: peak bytes allocated during the step (``measure_memory``).
         prefix_grad: ``"exact"`` or ``"detached"``.
+        num_tokens: sum of the counts ``loss_fn`` returned with its losses (``None`` when
+            it returned bare scalars): the normaliser of Megatron's per-token loss.
     """
 
     loss: float
@@ -66,6 +69,7 @@ class ReplayStats:
     peak_cache_bytes: int
     peak_memory_bytes: Optional[int]
     prefix_grad: str
+    num_tokens: Optional[float] = None
 
 
 @dataclass
@@ -74,6 +78,15 @@ class _Stem:
     children: Tensor  # packed indices whose parent lies in the stem
     lp_leaf: Tensor  # their log-probs, as a leaf
     lp_graph: Optional[Tensor]  # the same with the stem's graph (kept activations)
+
+
+def _split_loss(out) -> Tuple[Tensor, Optional[Tensor]]:
+    """``loss_fn``'s result as ``(loss, count or None)``."""
+    loss, count = (out[0], out[1]) if isinstance(out, (tuple, list)) and len(out) == 2 else (out, None)
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+        raise ValueError(f"loss_fn: must return a scalar tensor (or a (loss, num_tokens) pair), got {shape}")
+    return loss.reshape(()), count
 
 
 class _Replayer:
@@ -86,8 +99,16 @@ class _Replayer:
         self.device = model_device(model)
         self.stack: List[_Stem] = []
         self.total = 0.0
+        self.count: Optional[float] = None
         self.forwarded = self.recomputed = self.peak_cache = 0
         self.children = ChildIndex(tree)
+        self.sync = GradSync(model)
+        self.final = False  # the step's last backward: Megatron DDP may reduce in it
+
+    def backward(self, tensors, grads=None) -> None:
+        ctx = contextlib.nullcontext() if self.final else self.sync.hold()
+        with ctx:
+            torch.autograd.backward(tensors, grads)
 
     def forward_unit(self, start: int, end: int, **cache):
         self.forwarded += end - start
@@ -107,13 +128,18 @@ class _Replayer:
         ids = torch.tensor(rollouts, dtype=torch.long)
         rows = self.tree.rows[ids, 1:].to(self.device)
         lp = torch.where(rows >= 0, lp_vec[rows.clamp(min=0)], torch.zeros((), device=self.device))
-        loss = self.loss_fn(lp, ids)
-        if not isinstance(loss, Tensor) or loss.numel() != 1:
-            shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
-            raise ValueError(f"loss_fn: must return a scalar tensor, got {shape}")
+        loss, count = _split_loss(self.loss_fn(lp, ids))
         self.total += float(loss.detach())
-        if self.grad_on and loss.requires_grad:
-            loss.backward()
+        if count is not None:
+            self.count = (self.count or 0.0) + float(count)
+        if not self.grad_on:
+            return
+        if loss.requires_grad:
+            self.backward([loss])
+        elif self.final and own is not None and own[1].requires_grad:
+            # Nothing to learn from these rollouts, but the step's final backward must still
+            # reach every parameter so that Megatron DDP's overlapped buckets are reduced.
+            self.backward([own[1].sum() * 0.0])
 
     def stem(self, op: ReplayOp, rollouts: Sequence[int]) -> None:
         cache = StemCache(op.start, op.end, requires_grad=self.exact)
@@ -137,7 +163,7 @@ class _Replayer:
             self.recomputed += stem.cache.end - stem.cache.start
         grad = stem.lp_leaf.grad if stem.lp_leaf.grad is not None else torch.zeros_like(lp)
         # Also adds every layer's accumulated dK/dV through the InjectGrad nodes.
-        torch.autograd.backward([lp], [grad])
+        self.backward([lp], [grad])
 
     def chunk(self, op: ReplayOp, rollouts: Sequence[int]) -> None:
         own = self.forward_unit(op.start, op.end)
@@ -159,13 +185,20 @@ def replay_step(
     """One branch-replay forward/backward of ``loss_fn`` over the rollouts of ``tree``.
 
     Args:
-        model: a GPTModel (or wrapper) built with :func:`get_branch_layer_spec`.
+        model: a GPTModel built with :func:`get_branch_layer_spec`, possibly wrapped
+            (``Float16Module``, Megatron's ``DistributedDataParallel``), or a one-element
+            list of such chunks. Under Megatron DDP the gradients accumulate in
+            ``main_grad`` and every backward but the last is run under ``no_sync()``, so
+            with ``overlap_grad_reduce`` each bucket is reduced once, after its last
+            contribution (held entirely when called inside the caller's ``no_sync()``).
         tree: the packed rollouts.
-        loss_fn: ``(lp [r, max_len - 1], rollout_ids [r]) -> scalar``, called once per
-            chunk with the rollouts that end in it (``lp`` as from ``rollout_logprobs``).
-            The step's loss is the sum over calls, so the loss must be additive over
-            rollouts: normalise by global counts (``mb.losses`` ``global_tokens`` /
-            ``global_seqs``).
+        loss_fn: ``(lp [r, max_len - 1], rollout_ids [r]) -> scalar`` or
+            ``-> (loss_sum, num_tokens)``, called once per chunk with the rollouts that end
+            in it (``lp`` as from ``rollout_logprobs``). The step's loss is the sum over
+            calls, so the loss must be additive over rollouts: normalise by global counts
+            (``mb.losses`` ``global_tokens`` / ``global_seqs``), or return sums and counts
+            and let Megatron normalise (``calculate_per_token_loss``; see
+            :mod:`megatron_branch.training`).
         max_chunk_tokens: most tokens per forward; ``None`` runs one packed pass.
         prefix_grad: ``"exact"`` (gradients equal per-rollout training) or
             ``"detached"`` (tail-only: stems are constants).
@@ -177,8 +210,9 @@ def replay_step(
             stems' cached K/V stay sharded over the CP ranks.
 
     Returns:
-        :class:`ReplayStats`. Parameter ``.grad`` hold the accumulated gradient, as after
-        ``loss.backward()``. Under ``torch.no_grad()`` nothing is backpropagated.
+        :class:`ReplayStats`. Parameter ``.grad`` (``main_grad`` under Megatron DDP) hold
+        the accumulated gradient, as after ``loss.backward()``. Under ``torch.no_grad()``
+        nothing is backpropagated.
 
     Raises:
         ValueError: the model lacks tree attention, a bad ``prefix_grad`` or budget, a
@@ -186,14 +220,17 @@ def replay_step(
     """
     if prefix_grad not in ("exact", "detached"):
         raise ValueError(f"prefix_grad: {prefix_grad!r} is not one of ('exact', 'detached')")
+    model = single_chunk(model, "replay_step")
     check_model(model, tree)
     ops = plan_replay(tree, max_chunk_tokens, group_ids)
     owners: Dict[int, List[int]] = unit_of_rollouts(tree, ops)
     exact = prefix_grad == "exact" and torch.is_grad_enabled()
     run = _Replayer(model, tree, loss_fn, exact, recompute_stem, cp_comm_type)
+    last_backward = max(i for i, op in enumerate(ops) if op.kind == "chunk" or (op.kind == "pop" and exact))
     meter = PeakMemory(run.device) if measure_memory else contextlib.nullcontext()
     with meter:
         for i, op in enumerate(ops):
+            run.final = i == last_backward
             if op.kind == "stem":
                 run.stem(op, owners.get(i, []))
             elif op.kind == "chunk":
@@ -211,6 +248,7 @@ def replay_step(
         peak_cache_bytes=run.peak_cache,
         peak_memory_bytes=meter.peak_bytes if measure_memory else None,
         prefix_grad=prefix_grad,
+        num_tokens=run.count,
     )
 
 
@@ -230,29 +268,43 @@ def replay_logprobs(model, tree: BranchTree, *, max_chunk_tokens: Optional[int] 
     return out.to(model_device(model))
 
 
-def _flat_grads(model) -> Tensor:
+def _grads(model) -> List[Optional[Tensor]]:
+    return [None if param_grad(p) is None else param_grad(p).detach().clone() for p in model.parameters()]
+
+
+def _set_grads(model, grads: Sequence[Optional[Tensor]]) -> None:
+    for p, g in zip(model.parameters(), grads):
+        main = getattr(p, "main_grad", None)
+        if main is not None:
+            main.copy_(g if g is not None else torch.zeros_like(main))
+        else:
+            p.grad = g
+
+
+def _flat(grads: Sequence[Optional[Tensor]], model) -> Tensor:
     return torch.cat([
-        (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().reshape(-1)
-        for p in model.parameters()
+        (g if g is not None else torch.zeros_like(p)).float().reshape(-1) for g, p in zip(grads, model.parameters())
     ])
 
 
 def prefix_grad_bias(model, tree: BranchTree, loss_fn: LossFn, **kwargs) -> Dict[str, float]:
     """How far the tail-only gradient is from the exact one, for the same step.
 
-    Runs the step in both modes (parameter ``.grad`` are restored afterwards) and
-    returns ``cosine`` (cosine similarity), ``rel_norm`` (``|g_detached| / |g_exact|``)
-    and ``rel_error`` (``|g_detached - g_exact| / |g_exact|``).
+    Runs the step in both modes (gradients, ``main_grad`` under Megatron DDP, are
+    restored afterwards; DDP's reduction is held) and returns ``cosine`` (cosine
+    similarity), ``rel_norm`` (``|g_detached| / |g_exact|``) and ``rel_error``
+    (``|g_detached - g_exact| / |g_exact|``) of this rank's local gradients.
     """
-    saved = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    model = single_chunk(model, "prefix_grad_bias")
+    saved = _grads(model)
+    zeros = [None] * len(saved)
     grads = {}
-    for mode in ("exact", "detached"):
-        for p in model.parameters():
-            p.grad = None
-        replay_step(model, tree, loss_fn, prefix_grad=mode, **kwargs)
-        grads[mode] = _flat_grads(model)
-    for p, g in zip(model.parameters(), saved):
-        p.grad = g
+    with GradSync(as_chunks(model)).hold():
+        for mode in ("exact", "detached"):
+            _set_grads(model, zeros)
+            replay_step(model, tree, loss_fn, prefix_grad=mode, **kwargs)
+            grads[mode] = _flat(_grads(model), model)
+    _set_grads(model, saved)
     exact, detached = grads["exact"], grads["detached"]
     norm = exact.norm().clamp(min=1e-30)
     return {

@@ -1,0 +1,182 @@
+"""One training iteration on Megatron's machinery, as Megatron-LM's ``train_step`` runs it.
+
+1. zero DDP's grad buffers and the optimizer;
+2. forward/backward over the rank's micro-batches: Megatron's schedule
+   (``get_forward_backward_func``, any pipeline layout) with one tree per micro-batch, or
+   streaming replay per micro-batch (``max_chunk_tokens``, no pipeline) with DDP's
+   reduction held until the step's final backward;
+3. Megatron's ``finalize_model_grads`` (DP x CP bucket reduction, sequence-parallel and
+   qk-norm gradients over TP, tied embeddings over PP, division by the global token
+   count of ``calculate_per_token_loss``);
+4. the Megatron optimizer's ``step`` (gradient clipping, bf16 main parameters, the
+   distributed optimizer's sharded update and parameter all-gather).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_branch._megatron import finalize_model_grads, parallel_state
+from megatron_branch.cpu import cuda_factories_on_cpu
+from megatron_branch.pipeline import LossFn, MicroBatch, as_micro_batch, forward_backward, token_count
+from megatron_branch.replay.step import replay_step
+from megatron_branch.scoring import unwrap
+from megatron_branch.training.ddp import as_chunks, is_megatron_ddp, zero_grads
+from megatron_branch.training.optimizer import check_optimizer, optimizer_step
+
+
+@dataclass
+class StepResult:
+    """What one training iteration did (this rank's view).
+
+    Attributes:
+        loss_sum: the sum of ``loss_fn``'s losses over this rank's micro-batches (last stage).
+        num_tokens: the global token count Megatron normalised by.
+        grad_norm: the optimizer's gradient norm (before clipping).
+        update_successful: False when a loss scaler skipped the step.
+        num_microbatches: micro-batches this rank ran.
+    """
+
+    loss_sum: float
+    num_tokens: int
+    grad_norm: Optional[float]
+    update_successful: bool
+    num_microbatches: int
+
+
+def configure(model, optimizer=None) -> None:
+    """Point the model config's hooks at Megatron's machinery, as Megatron-LM's ``setup``
+    does: ``no_sync_func`` (DDP), ``finalize_model_grads_func`` and, for fp16 loss
+    scaling, ``grad_scale_func``. Hooks already set are left alone."""
+    chunks = as_chunks(model)
+    config = unwrap(chunks[0]).config
+    if all(is_megatron_ddp(c) for c in chunks):
+        if config.no_sync_func is None:
+            config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+        if config.finalize_model_grads_func is None:
+            config.finalize_model_grads_func = finalize_model_grads
+    if optimizer is not None and config.grad_scale_func is None:
+        config.grad_scale_func = optimizer.scale_loss
+
+
+def forward_backward_step(
+    model,
+    data: Sequence[MicroBatch],
+    loss_fn: LossFn,
+    *,
+    max_chunk_tokens: Optional[int] = None,
+    prefix_grad: str = "exact",
+    recompute_stem: bool = False,
+    cp_comm_type: str = "allgather",
+    forward_step_func=None,
+) -> Tuple[float, int]:
+    """Steps 1-3 of an iteration: zero the grad buffers, forward/backward every micro-batch,
+    ``finalize_model_grads``. Afterwards every rank's ``main_grad`` holds the batch gradient
+    (its distributed-optimizer shard, with ``use_distributed_optimizer``).
+
+    Args:
+        model: a Megatron-DDP-wrapped chunk or Megatron's list of chunks.
+        data: this data-parallel rank's micro-batches (``plan_data_parallel(...).ranks[dp_rank]``).
+        loss_fn: ``(lp [r, width], rollout_ids [r]) -> (loss_sum, num_tokens)``; the
+            config must have ``calculate_per_token_loss=True``.
+        max_chunk_tokens: streaming replay budget per forward (pipeline size 1 only);
+            ``None`` runs each micro-batch in one pass through Megatron's schedule.
+        prefix_grad, recompute_stem, cp_comm_type: as for :func:`megatron_branch.replay_step`.
+        forward_step_func: a different Megatron forward step for the schedule (the naive
+            truth, :func:`megatron_branch.naive.make_naive_forward_step`).
+
+    Returns:
+        ``(loss_sum, global_num_tokens)``: this rank's summed loss (last pipeline stage)
+        and the token count Megatron divided the gradients by.
+
+    Raises:
+        ValueError: a chunk not wrapped in Megatron's DDP, ``calculate_per_token_loss``
+            off, or streaming with pipeline parallelism.
+    """
+    chunks = as_chunks(model)
+    for c in chunks:
+        if not is_megatron_ddp(c):
+            raise ValueError("model: training needs chunks wrapped in Megatron's DistributedDataParallel "
+                             "(megatron_branch.training.wrap_ddp)")
+    config = unwrap(chunks[0]).config
+    if not config.calculate_per_token_loss:
+        raise ValueError("calculate_per_token_loss: set TransformerConfig(calculate_per_token_loss=True) "
+                         "so Megatron normalises by the global token count")
+    configure(chunks)
+    items = [as_micro_batch(x) for x in data]
+    if not items:
+        raise ValueError("data: this rank has no micro-batches")
+    zero_grads(chunks)
+    streaming = max_chunk_tokens is not None or prefix_grad != "exact" or recompute_stem
+    if not streaming:
+        box = {}
+        finalize = config.finalize_model_grads_func
+
+        def finalize_and_keep(model_chunks, num_tokens, **kwargs):
+            box["tokens"] = None if num_tokens is None else num_tokens.clone()
+            finalize(model_chunks, num_tokens, **kwargs)
+            if num_tokens is not None:
+                box["tokens"] = num_tokens.clone()
+
+        config.finalize_model_grads_func = finalize_and_keep
+        try:
+            out = forward_backward(chunks, items, loss_fn, forward_step_func=forward_step_func,
+                                   cp_comm_type=cp_comm_type)
+        finally:
+            config.finalize_model_grads_func = finalize
+        loss_sum = float(sum(float(d["loss"]) for d in out)) if out else 0.0
+        return loss_sum, int(box["tokens"]) if box.get("tokens") is not None else -1
+    if len(chunks) > 1 or parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        raise ValueError("max_chunk_tokens: streaming replay runs without pipeline parallelism; "
+                         "with pipeline stages use one pass per micro-batch")
+    return _streaming(chunks[0], items, loss_fn, config, max_chunk_tokens=max_chunk_tokens,
+                      prefix_grad=prefix_grad, recompute_stem=recompute_stem, cp_comm_type=cp_comm_type)
+
+
+def train_step(model, optimizer, data: Sequence[MicroBatch], loss_fn: LossFn, **replay) -> StepResult:
+    """One optimizer step over this rank's micro-batches: :func:`forward_backward_step`
+    then the Megatron optimizer's ``step`` (``optimizer.zero_grad`` first).
+
+    Args:
+        model, data, loss_fn, **replay: as for :func:`forward_backward_step`.
+        optimizer: from :func:`megatron_branch.training.get_optimizer`.
+
+    Raises:
+        ValueError: as :func:`forward_backward_step`, or a non-Megatron optimizer.
+    """
+    check_optimizer(optimizer)
+    configure(model, optimizer)
+    optimizer.zero_grad()
+    loss_sum, tokens = forward_backward_step(model, data, loss_fn, **replay)
+    ok, grad_norm, _ = optimizer_step(optimizer)
+    return StepResult(loss_sum, tokens, grad_norm, bool(ok), len(data))
+
+
+def _streaming(model, items: List, loss_fn: LossFn, config, **replay) -> tuple:
+    """Streaming replay per micro-batch; DDP reduces in the last micro-batch's final backward."""
+    cp_rank = parallel_state.get_context_parallel_rank()
+    total = torch.zeros([], dtype=torch.int)
+    loss_sum = 0.0
+    scale = config.grad_scale_func
+    for i, item in enumerate(items):
+
+        def chunk_loss(lp, ids, item=item):
+            loss, count = loss_fn(item.pad(lp), item.rollouts[ids])
+            return (scale(loss) if scale is not None else loss), count
+
+        last = i == len(items) - 1
+        ctx = contextlib.nullcontext() if last else model.no_sync()
+        with ctx:
+            stats = replay_step(model, item.tree, chunk_loss, **replay)
+        if stats.num_tokens is None:
+            raise ValueError("loss_fn: must return (loss_sum, num_tokens)")
+        total += token_count(stats.num_tokens, cp_rank)
+        loss_sum += stats.loss
+    finalize = config.finalize_model_grads_func or finalize_model_grads
+    with cuda_factories_on_cpu():
+        finalize([model], total)
+    return loss_sum, int(total)
