@@ -239,8 +239,7 @@ def main(argv=None) -> int:
                 return loss / m.sum().clamp(min=1.0), torch.ones(())
             return loss, m.sum()
 
-        if args.optimizer == "megatron":
-            optimizer.zero_grad()
+        optimizer.zero_grad()  # torch: .grad back to None, or DDP's hook would add it to main_grad again
         loss_sum, tokens = forward_backward_step([ddp], items, loss_fn, max_chunk_tokens=args.chunk_tokens,
                                                  cp_comm_type=args.cp_comm, forward_step_func=(
                                                      make_naive_forward_step(loss_fn, sequences)

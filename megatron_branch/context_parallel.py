@@ -17,7 +17,7 @@ attention is exact across shards:
 Per-token log-probs are computed on the rank holding the parent token and all-reduced,
 so every CP rank ends with the same differentiable per-rollout log-probs; the
 all-reduce's backward is the identity, so each rank's parameter gradients are its
-shard's share and :func:`megatron_branch.parallel.finalize_grads` sums them.
+shard's share and Megatron's ``finalize_model_grads`` (DDP over DP x CP) sums them.
 """
 
 from __future__ import annotations

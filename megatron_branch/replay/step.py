@@ -80,7 +80,7 @@ class _Stem:
     lp_graph: Optional[Tensor]  # the same with the stem's graph (kept activations)
 
 
-def _split_loss(out) -> Tuple[Tensor, Optional[Tensor]]:
+def split_loss(out) -> Tuple[Tensor, Optional[Tensor]]:
     """``loss_fn``'s result as ``(loss, count or None)``."""
     loss, count = (out[0], out[1]) if isinstance(out, (tuple, list)) and len(out) == 2 else (out, None)
     if not isinstance(loss, Tensor) or loss.numel() != 1:
@@ -128,7 +128,7 @@ class _Replayer:
         ids = torch.tensor(rollouts, dtype=torch.long)
         rows = self.tree.rows[ids, 1:].to(self.device)
         lp = torch.where(rows >= 0, lp_vec[rows.clamp(min=0)], torch.zeros((), device=self.device))
-        loss, count = _split_loss(self.loss_fn(lp, ids))
+        loss, count = split_loss(self.loss_fn(lp, ids))
         self.total += float(loss.detach())
         if count is not None:
             self.count = (self.count or 0.0) + float(count)
@@ -257,6 +257,7 @@ def replay_logprobs(model, tree: BranchTree, *, max_chunk_tokens: Optional[int] 
 
     Runs under ``torch.no_grad()``; memory is bounded like :func:`replay_step`'s.
     """
+    model = single_chunk(model, "replay_logprobs")
     out = torch.zeros(tree.num_rollouts, max(tree.max_len - 1, 0), dtype=torch.float32)
 
     def collect(lp: Tensor, ids: Tensor) -> Tensor:

@@ -23,7 +23,7 @@ import torch
 from megatron_branch._megatron import finalize_model_grads, parallel_state
 from megatron_branch.cpu import cuda_factories_on_cpu
 from megatron_branch.pipeline import LossFn, MicroBatch, as_micro_batch, forward_backward, token_count
-from megatron_branch.replay.step import replay_step
+from megatron_branch.replay.step import replay_step, split_loss
 from megatron_branch.scoring import unwrap
 from megatron_branch.training.ddp import as_chunks, is_megatron_ddp, zero_grads
 from megatron_branch.training.optimizer import check_optimizer, optimizer_step
@@ -165,15 +165,15 @@ def _streaming(model, items: List, loss_fn: LossFn, config, **replay) -> tuple:
     for i, item in enumerate(items):
 
         def chunk_loss(lp, ids, item=item):
-            loss, count = loss_fn(item.pad(lp), item.rollouts[ids])
+            loss, count = split_loss(loss_fn(item.pad(lp), item.rollouts[ids]))
+            if count is None:
+                raise ValueError("loss_fn: must return (loss_sum, num_tokens) for training")
             return (scale(loss) if scale is not None else loss), count
 
         last = i == len(items) - 1
         ctx = contextlib.nullcontext() if last else model.no_sync()
         with ctx:
             stats = replay_step(model, item.tree, chunk_loss, **replay)
-        if stats.num_tokens is None:
-            raise ValueError("loss_fn: must return (loss_sum, num_tokens)")
         total += token_count(stats.num_tokens, cp_rank)
         loss_sum += stats.loss
     finalize = config.finalize_model_grads_func or finalize_model_grads
