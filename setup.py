@@ -16,7 +16,7 @@ setup(
     install_requires=[
         # Install torch first (README): a bare requirement here would pull a CUDA build.
         "torch>=2.4",
-        "megatron-core>=0.16,<0.17",
+        "megatron-core>=0.16,<0.20",
         "numpy",
         "packaging",
     ],

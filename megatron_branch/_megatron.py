@@ -15,6 +15,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
 vocab_parallel_cross_entropy = tensor_parallel.vocab_parallel_cross_entropy
@@ -35,6 +36,8 @@ __all__ = [
     "PackedSeqParams",
     "SelfAttention",
     "SelfAttentionSubmodules",
+    "TransformerBlock",
+    "TransformerBlockSubmodules",
     "TransformerConfig",
     "TransformerLayerSubmodules",
     "get_gpt_layer_local_spec",

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import copy
-from typing import Optional
+from typing import List, Optional
 
 from megatron_branch._deps import HAVE_TE
-from megatron_branch._megatron import ModuleSpec, get_gpt_layer_local_spec
+from megatron_branch._megatron import (
+    ModuleSpec,
+    SelfAttention,
+    TransformerBlock,
+    TransformerBlockSubmodules,
+    get_gpt_layer_local_spec,
+)
 from megatron_branch.attention.core_attention import BACKENDS, BranchCoreAttention
 from megatron_branch.self_attention import BranchSelfAttention
 
@@ -64,14 +70,48 @@ def get_branch_layer_spec(
         base = get_gpt_layer_with_transformer_engine_spec(**local_spec_kwargs)
     else:
         base = get_gpt_layer_local_spec(**local_spec_kwargs)
-    spec = copy.deepcopy(base)
-    attn = spec.submodules.self_attention
-    attn.module = BranchSelfAttention
-    attn.submodules.core_attention = ModuleSpec(
-        module=BranchCoreAttention,
-        params={"backend": backend, "chunk_size": chunk_size, "kernel": kernel},
-    )
+    return apply_branch_attention(base, backend=backend, chunk_size=chunk_size, kernel=kernel)
+
+
+def apply_branch_attention(
+    spec, backend: str = "cascade", chunk_size: Optional[int] = None, kernel: Optional[str] = None
+):
+    """A copy of any Megatron GPT layer or block spec with tree attention in every layer.
+
+    Accepts what GPTModel accepts as ``transformer_layer_spec``: a layer ``ModuleSpec``, a
+    ``TransformerBlockSubmodules`` (e.g. ``get_gpt_decoder_block_spec`` for MoE layer
+    patterns) or a ``ModuleSpec`` of a ``TransformerBlock``. In each layer,
+    ``self_attention.module`` becomes :class:`BranchSelfAttention` and its
+    ``core_attention`` :class:`BranchCoreAttention`; nothing else changes, so parameter
+    names and shapes are the original spec's.
+
+    Raises:
+        ValueError: a layer whose self-attention is not Megatron's ``SelfAttention``
+            (multi-latent attention, experimental attention variants).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
+    spec = copy.deepcopy(spec)
+    core = ModuleSpec(module=BranchCoreAttention, params={"backend": backend, "chunk_size": chunk_size, "kernel": kernel})
+    for layer in _layer_specs(spec):
+        attn = layer.submodules.self_attention
+        if not (isinstance(attn.module, type) and issubclass(attn.module, SelfAttention)):
+            name = getattr(attn.module, "__name__", type(attn.module).__name__)
+            raise ValueError(f"self_attention: {name} is not Megatron's SelfAttention; the branch spec "
+                             "replaces only its core attention (MLA and attention variants are not supported)")
+        attn.module = BranchSelfAttention
+        attn.submodules.core_attention = core
     return spec
+
+
+def _layer_specs(spec) -> List[ModuleSpec]:
+    if isinstance(spec, TransformerBlockSubmodules):
+        return list(spec.layer_specs)
+    if isinstance(spec, ModuleSpec) and isinstance(spec.module, type) and issubclass(spec.module, TransformerBlock):
+        return _layer_specs(spec.submodules)
+    if isinstance(spec, ModuleSpec):
+        return [spec]
+    raise ValueError(f"spec: expected a layer or block spec, got {type(spec).__name__}")
 
 
 def is_branch_model(model) -> bool:

@@ -37,7 +37,7 @@ class AttentionPiece:
     causal: bool
 
 
-def _tile_rect(q_lo, q_hi, k_lo, k_hi, q_block, k_block, out):
+def tile_rect(q_lo, q_hi, k_lo, k_hi, q_block, k_block, out):
     for qs in range(q_lo, q_hi, q_block):
         for ks in range(k_lo, k_hi, k_block):
             out.append(AttentionPiece(qs, min(qs + q_block, q_hi), ks, min(ks + k_block, k_hi), False))
@@ -48,7 +48,7 @@ def _tile_causal(lo, hi, q_block, k_block, out):
     for qs in range(lo, hi, block):
         qe = min(qs + block, hi)
         if qs > lo:
-            _tile_rect(qs, qe, lo, qs, q_block, k_block, out)
+            tile_rect(qs, qe, lo, qs, q_block, k_block, out)
         out.append(AttentionPiece(qs, qe, qs, qe, True))
 
 
@@ -71,7 +71,7 @@ def plan_pieces(
     for seg in segments:
         _tile_causal(seg.start, seg.end, qb, kb, pieces)
         if seg.subtree_end > seg.end:
-            _tile_rect(seg.end, seg.subtree_end, seg.start, seg.end, qb, kb, pieces)
+            tile_rect(seg.end, seg.subtree_end, seg.start, seg.end, qb, kb, pieces)
     return pieces
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from typing import Literal, Optional
 
-import torch.nn.functional as F
 from torch import Tensor
 
 from megatron_branch._megatron import AttnMaskType, MegatronModule, TransformerConfig
@@ -20,6 +19,7 @@ from megatron_branch.attention.dense import dense_tree_attention
 from megatron_branch.attention.repeat_kv import repeated_kv_attention
 from megatron_branch.context_parallel import gather_rows
 from megatron_branch.attention.kernels import KERNELS, default_kernel
+from megatron_branch.attention.plain import masked_attention, thd_attention, unmasked_attention
 from megatron_branch.packed_seq import BranchPackedSeqParams
 from megatron_branch.prefix_cache import inject, prefix_kv
 
@@ -40,9 +40,10 @@ class BranchCoreAttention(MegatronModule):
       (the Prefix-Grouper-style baseline; single pass only).
 
     Without tree data (``packed_seq_params`` not a :class:`BranchPackedSeqParams`) the
-    layer computes ordinary causal attention per batch row with torch's fused SDPA, so a
-    model built with the branch spec also serves plain (pretraining/eval) batches; any
-    ``attention_mask`` is then ignored (causal only).
+    layer computes what Megatron's local ``DotProductAttention`` computes — explicit masks,
+    every ``AttnMaskType``, a query block after cached keys — and THD-packed batches, which
+    the stock local attention refuses (:mod:`megatron_branch.attention.plain`). So a model
+    built with the branch spec also serves pretraining, SFT packing, eval and inference.
 
     Args:
         config: the model's TransformerConfig (``attention_dropout`` must be 0).
@@ -101,22 +102,30 @@ class BranchCoreAttention(MegatronModule):
         attention_bias: Optional[Tensor] = None,
         packed_seq_params=None,
     ) -> Tensor:
-        """Attention over a packed tree.
+        """Attention over a packed tree, or over an ordinary batch.
 
         Args:
-            query: ``[s, b, heads, head_dim]`` after RoPE (local heads under TP).
-            key, value: ``[s, b, kv_heads, head_dim]``.
-            attention_mask: unused (the tree defines visibility).
-            packed_seq_params: a :class:`BranchPackedSeqParams` (then ``b == 1``).
+            query: ``[sq, b, heads, head_dim]`` after RoPE (local heads under TP);
+                ``[t, heads, head_dim]`` for THD packing.
+            key, value: ``[sk, b, kv_heads, head_dim]`` (``[t, kv_heads, head_dim]``).
+            attention_mask: ignored with tree data (the tree defines visibility); else a
+                bool mask broadcastable to ``[b, 1, sq, sk]``, True = masked out.
+            attn_mask_type: overrides the constructor's mask type for this call.
+            packed_seq_params: a :class:`BranchPackedSeqParams` (then ``b == 1``), a THD
+                ``PackedSeqParams``, or None.
 
         Returns:
-            ``[s, b, heads * head_dim]``.
+            ``[sq, b, heads * head_dim]`` (``[t, heads * head_dim]`` for THD).
+
+        Raises:
+            ValueError: an attention bias, a malformed mask or ``cu_seqlens``, or an
+                ordinary batch under context parallelism.
         """
         if attention_bias is not None:
             raise ValueError("attention_bias: not supported by tree attention")
-        s, b = query.shape[:2]
         if not isinstance(packed_seq_params, BranchPackedSeqParams):
-            return self._causal(query, key, value)
+            return self._plain(query, key, value, attention_mask, attn_mask_type, packed_seq_params)
+        s, b = query.shape[:2]
         if b != 1:
             raise ValueError(f"query: a packed tree has batch size 1, got {b}")
         params = packed_seq_params
@@ -152,12 +161,24 @@ class BranchCoreAttention(MegatronModule):
         # [s, h, d] -> [s, 1, h * d]
         return out.reshape(s, 1, -1)
 
-    def _causal(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-        s, b, h, d = query.shape
-        # [s, b, h, d] -> [b, h, s, d]
-        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=k.shape[1] != h
-        )
-        # [b, h, s, d] -> [s, b, h * d]
-        return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+    def _plain(self, query, key, value, attention_mask, attn_mask_type, packed_seq_params) -> Tensor:
+        if self.config.context_parallel_size > 1:
+            raise ValueError(
+                "context_parallel_size: the branch spec splits only trees over context-parallel ranks; "
+                "pass the batch as a BranchTree (rollout_logprobs / replay_step / pipeline), or use "
+                "Megatron's Transformer Engine spec for ordinary sequences under CP"
+            )
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        fmt = getattr(packed_seq_params, "qkv_format", None) if packed_seq_params is not None else None
+        if fmt == "thd":
+            if attention_mask is not None:
+                raise ValueError("attention_mask: THD packing takes no mask (cu_seqlens defines the sequences)")
+            kernel = self.kernel or default_kernel(query.device)
+            k_block = self.chunk_size if kernel == "math" else None
+            return thd_attention(query, key, value, packed_seq_params, mask_type, self.softmax_scale, kernel,
+                                 self.chunk_size, k_block)
+        if fmt not in (None, "sbhd"):
+            raise ValueError(f"packed_seq_params.qkv_format: {fmt!r} is not supported (use 'sbhd' or 'thd')")
+        if attention_mask is not None:
+            return masked_attention(query, key, value, attention_mask, self.softmax_scale)
+        return unmasked_attention(query, key, value, mask_type, self.softmax_scale)
