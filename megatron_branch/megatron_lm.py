@@ -34,16 +34,22 @@ def branch_spec_from_args(args, config=None, vp_stage: Optional[int] = None):
     Raises:
         ValueError: options the branch spec cannot honour exactly (multi-latent
             attention, experimental attention variants, ``--qk-l2-norm``, heterogeneous
-            layers, attention dropout).
+            layers, multi-token prediction, attention dropout, ``--transformer-impl``
+            other than ``local``/``transformer_engine``).
     """
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     for flag, what in (("multi_latent_attention", "--multi-latent-attention"),
                        ("experimental_attention_variant", "--experimental-attention-variant"),
                        ("qk_l2_norm", "--qk-l2-norm"),
-                       ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path")):
+                       ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path"),
+                       # gpt_builder builds MTP layers from Megatron's stock layer specs
+                       ("mtp_num_layers", "--mtp-num-layers")):
         if getattr(args, flag, None):
             raise ValueError(f"{what}: not supported by the branch spec")
+    if getattr(args, "transformer_impl", "local") not in ("local", "transformer_engine"):
+        raise ValueError(f"--transformer-impl {args.transformer_impl}: the branch spec builds on the local "
+                         "or transformer_engine layers")
     if getattr(args, "attention_dropout", 0.0):
         raise ValueError(f"--attention-dropout: branch replay is exact only without dropout, got "
                          f"{args.attention_dropout}; pass --attention-dropout 0")
@@ -79,10 +85,23 @@ class ArgsBranchSpec(ModuleSpec):
 
     def _spec(self):
         if self._resolved is None:
-            from megatron.training import get_args
-
-            spec = branch_spec_from_args(get_args())
+            try:
+                from megatron.training import get_args
+            except ImportError as exc:
+                raise ImportError(
+                    "branch_layer_spec is built from Megatron-LM's parsed arguments, but megatron.training "
+                    f"is not importable here ({exc}); outside Megatron-LM use get_branch_spec(...) or "
+                    "branch_spec_from_args(args)"
+                ) from exc
+            args = get_args()
+            spec = branch_spec_from_args(args)
             if not isinstance(spec, ModuleSpec):  # a block spec (MoE layer pattern)
+                if getattr(args, "virtual_pipeline_model_parallel_size", None):
+                    # One object serves every model chunk, but block specs differ per chunk.
+                    raise ValueError(
+                        "--virtual-pipeline-model-parallel-size: with --num-experts the branch spec is "
+                        "per virtual stage; build it in a model provider with "
+                        "branch_spec_from_args(args, config, vp_stage)")
                 from megatron_branch._megatron import TransformerBlock
 
                 spec = ModuleSpec(module=TransformerBlock, submodules=spec)

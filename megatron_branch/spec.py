@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from typing import List, Optional
+from typing import Optional
 
 from megatron_branch._deps import HAVE_TE
 from megatron_branch._megatron import (
@@ -91,26 +91,41 @@ def apply_branch_attention(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
-    spec = copy.deepcopy(spec)
     core = ModuleSpec(module=BranchCoreAttention, params={"backend": backend, "chunk_size": chunk_size, "kernel": kernel})
-    for layer in _layer_specs(spec):
-        attn = layer.submodules.self_attention
-        if not (isinstance(attn.module, type) and issubclass(attn.module, SelfAttention)):
-            name = getattr(attn.module, "__name__", type(attn.module).__name__)
-            raise ValueError(f"self_attention: {name} is not Megatron's SelfAttention; the branch spec "
-                             "replaces only its core attention (MLA and attention variants are not supported)")
-        attn.module = BranchSelfAttention
-        attn.submodules.core_attention = core
-    return spec
+    return _map_layers(spec, lambda layer: _with_branch_attention(layer, core))
 
 
-def _layer_specs(spec) -> List[ModuleSpec]:
+def _with_branch_attention(layer: ModuleSpec, core: ModuleSpec) -> ModuleSpec:
+    # Copy only the path to the two slots: every other slot stays the very object of the
+    # original spec (megatron-core 0.17+ builds MLP slots with functools.partial, which
+    # compares unequal once deep-copied).
+    attn = layer.submodules.self_attention
+    if not (isinstance(attn.module, type) and issubclass(attn.module, SelfAttention)):
+        name = getattr(attn.module, "__name__", type(attn.module).__name__)
+        raise ValueError(f"self_attention: {name} is not Megatron's SelfAttention; the branch spec "
+                         "replaces only its core attention (MLA and attention variants are not supported)")
+    attn_sub = copy.copy(attn.submodules)
+    attn_sub.core_attention = core
+    new_attn = copy.copy(attn)
+    new_attn.module, new_attn.submodules, new_attn.params = BranchSelfAttention, attn_sub, dict(attn.params)
+    layer_sub = copy.copy(layer.submodules)
+    layer_sub.self_attention = new_attn
+    new_layer = copy.copy(layer)
+    new_layer.submodules, new_layer.params = layer_sub, dict(layer.params)
+    return new_layer
+
+
+def _map_layers(spec, fn):
     if isinstance(spec, TransformerBlockSubmodules):
-        return list(spec.layer_specs)
+        out = copy.copy(spec)
+        out.layer_specs = [fn(layer) for layer in spec.layer_specs]
+        return out
     if isinstance(spec, ModuleSpec) and isinstance(spec.module, type) and issubclass(spec.module, TransformerBlock):
-        return _layer_specs(spec.submodules)
+        out = copy.copy(spec)
+        out.submodules = _map_layers(spec.submodules, fn)
+        return out
     if isinstance(spec, ModuleSpec):
-        return [spec]
+        return fn(spec)
     raise ValueError(f"spec: expected a layer or block spec, got {type(spec).__name__}")
 
 

@@ -1,15 +1,18 @@
 """The branch spec: stock parameter names and shapes, no TE, clear errors."""
 
+import dataclasses
+import functools
 import sys
 
 import pytest
 import torch
 
 import megatron_branch as mb
-from megatron_branch._megatron import get_gpt_layer_local_spec
+from megatron_branch._megatron import SelfAttention, get_gpt_layer_local_spec
 from megatron_branch.attention.core_attention import BranchCoreAttention
 from megatron_branch.models import build_gpt, llama_config
 from megatron_branch.self_attention import BranchSelfAttention
+from megatron_branch.spec import apply_branch_attention
 
 
 @pytest.mark.parametrize("qk_layernorm", [False, True])
@@ -25,6 +28,20 @@ def test_same_parameter_names_and_shapes_as_stock(qk_layernorm):
     branch.load_state_dict(stock.state_dict())
 
 
+def same_spec(a, b) -> bool:
+    """Structural equality; megatron-core 0.17+ builds slots with functools.partial, which
+    compares by identity."""
+    if isinstance(a, functools.partial) and isinstance(b, functools.partial):
+        return a.func == b.func and same_spec(a.args, b.args) and same_spec(a.keywords, b.keywords)
+    if dataclasses.is_dataclass(a) and not isinstance(a, type) and type(a) is type(b):
+        return all(same_spec(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    if isinstance(a, (list, tuple)) and type(a) is type(b):
+        return len(a) == len(b) and all(same_spec(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_spec(a[k], b[k]) for k in a)
+    return a == b
+
+
 def test_spec_slots():
     spec = mb.get_branch_layer_spec(normalization="RMSNorm", backend="dense", chunk_size=64)
     attn = spec.submodules.self_attention
@@ -32,9 +49,30 @@ def test_spec_slots():
     assert attn.submodules.core_attention.module is BranchCoreAttention
     assert attn.submodules.core_attention.params == {"backend": "dense", "chunk_size": 64, "kernel": None}
     stock = get_gpt_layer_local_spec(normalization="RMSNorm")
-    assert spec.submodules.mlp == stock.submodules.mlp
-    # the stock spec object was not modified
+    assert same_spec(spec.submodules.mlp, stock.submodules.mlp)
+    assert not same_spec(spec.submodules.self_attention, stock.submodules.self_attention)
+    # applied to a spec object: every other slot is that very object, and the original is untouched
+    ours = apply_branch_attention(stock)
+    assert ours.submodules.mlp is stock.submodules.mlp
+    assert ours.submodules.input_layernorm is stock.submodules.input_layernorm
+    assert stock.submodules.self_attention.module is SelfAttention
     assert stock.submodules.self_attention.submodules.core_attention is not BranchCoreAttention
+
+
+def test_block_specs_get_tree_attention_in_every_layer():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    config = llama_config(num_layers=4, num_moe_experts=4, moe_layer_freq=[1, 0, 1, 0], moe_router_topk=2,
+                          moe_grouped_gemm=False, moe_token_dispatcher_type="allgather")
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    ours = apply_branch_attention(block)
+    assert len(ours.layer_specs) == 4
+    for mine, theirs in zip(ours.layer_specs, block.layer_specs):
+        assert mine.submodules.self_attention.module is BranchSelfAttention
+        assert mine.submodules.mlp is theirs.submodules.mlp  # MoE or dense, untouched
+    assert block.layer_specs[0].submodules.self_attention.module is SelfAttention
+    with pytest.raises(ValueError, match="spec: expected a layer or block spec"):
+        apply_branch_attention("not a spec")
 
 
 def test_without_te_the_spec_never_imports_it():
