@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_branch.attention.cascade import AttentionPiece
+from megatron_branch.attention.pieces import AttentionPiece
 
 CP_COMM_TYPES = ("allgather", "p2p")
 
@@ -165,36 +165,45 @@ def _pad_rows(x: Tensor, rows: int) -> Tensor:
     return torch.cat([x, pad])
 
 
+def all_gather_rows(x: Tensor, layout: CPLayout) -> Tensor:
+    """``[n_local, ...] -> [n_unit, ...]``: every rank's rows, concatenated (not differentiable)."""
+    lengths = layout.lengths
+    width = max(lengths)
+    parts = [torch.empty((width,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device) for _ in lengths]
+    dist.all_gather(parts, _pad_rows(x, width), group=layout.group)
+    _BYTES_SENT[0] += width * x[0:1].numel() * x.element_size() * (layout.size - 1)
+    return torch.cat([p[:n] for p, n in zip(parts, lengths)])
+
+
+def reduce_scatter_rows(x: Tensor, layout: CPLayout) -> Tensor:
+    """``[n_unit, ...] -> [n_local, ...]``: the sum over ranks of this rank's rows
+    (reduce-scatter on NCCL; all-reduce and slice on gloo, which has no reduce-scatter)."""
+    x = x.contiguous()
+    lo, hi = layout.local
+    if dist.get_backend(layout.group) == "nccl":
+        width = max(layout.lengths)
+        padded = torch.cat([_pad_rows(x[s:e], width) for s, e in layout.bounds])
+        out = x.new_empty((width,) + tuple(x.shape[1:]))
+        dist.reduce_scatter_tensor(out, padded, group=layout.group)
+        _BYTES_SENT[0] += out.numel() * out.element_size() * (layout.size - 1)
+        return out[: hi - lo]
+    x = x.clone()
+    dist.all_reduce(x, group=layout.group)  # a ring all-reduce sends 2 (C-1)/C of it
+    _BYTES_SENT[0] += 2 * x.numel() * x.element_size() * (layout.size - 1) // layout.size
+    return x[lo:hi].clone()
+
+
 class _AllGatherRows(torch.autograd.Function):
     """Concatenate every rank's rows; backward sums the gradients and keeps own rows."""
 
     @staticmethod
     def forward(ctx, x: Tensor, layout: CPLayout) -> Tensor:
-        lengths = layout.lengths
-        width = max(lengths)
-        parts = [torch.empty((width,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-                 for _ in lengths]
-        dist.all_gather(parts, _pad_rows(x, width), group=layout.group)
-        _BYTES_SENT[0] += x.numel() * x.element_size() * (layout.size - 1)
         ctx.layout = layout
-        return torch.cat([p[:n] for p, n in zip(parts, lengths)])
+        return all_gather_rows(x, layout)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        layout = ctx.layout
-        grad = grad.contiguous()
-        if dist.get_backend(layout.group) == "nccl":
-            width = max(layout.lengths)
-            padded = torch.cat([_pad_rows(grad[s:e], width) for s, e in layout.bounds])
-            out = grad.new_empty((width,) + tuple(grad.shape[1:]))
-            dist.reduce_scatter_tensor(out, padded, group=layout.group)
-            _BYTES_SENT[0] += out.numel() * out.element_size() * (layout.size - 1)
-            lo, hi = layout.local
-            return out[: hi - lo], None
-        dist.all_reduce(grad, group=layout.group)  # a ring all-reduce sends 2 (C-1)/C of it
-        _BYTES_SENT[0] += 2 * grad.numel() * grad.element_size() * (layout.size - 1) // layout.size
-        lo, hi = layout.local
-        return grad[lo:hi].clone(), None
+        return reduce_scatter_rows(grad, ctx.layout), None
 
 
 def _group_rank(layout: CPLayout, r: int) -> int:

@@ -15,12 +15,12 @@ import torch
 from torch import Tensor
 
 from megatron_branch._megatron import PackedSeqParams
-from megatron_branch.attention.cascade import AttentionPiece, plan_pieces
+from megatron_branch.attention.pieces import AttentionPiece, plan_pieces
 from megatron_branch.context_parallel import CPLayout, clip_pieces, needed_shards, shard_bounds
 from megatron_branch.tree import BranchSegment, BranchTree
 
 if TYPE_CHECKING:
-    from megatron_branch.prefix_cache import StemCache
+    from megatron_branch.prefix_cache import PathCache
 
 
 @dataclass
@@ -33,9 +33,10 @@ class BranchPackedSeqParams(PackedSeqParams):
         segments: the unit's chains, unit-relative (padding is a chain of its own).
         num_real: tokens of the unit before padding.
         total: tokens of the unit after padding.
-        prefix: stems whose cached K/V every token here attends to (streaming replay).
-        record: the stem this forward records its K/V into, or None.
-        inject: add the cached K/V gradients of ``record`` in the backward (exact replay).
+        cache: the K/V of the stems on the path above this unit, which every token here
+            attends to (streaming replay), or None.
+        stem_id: this forward is that stem's: it writes its K/V into ``cache``.
+        inject: add the gradients accumulated for ``stem_id`` in the backward (exact replay).
         cp: the context-parallel split of the unit, or None.
     """
 
@@ -44,8 +45,8 @@ class BranchPackedSeqParams(PackedSeqParams):
     segments: List[BranchSegment] = field(default_factory=list)
     num_real: int = 0
     total: int = 0
-    prefix: List["StemCache"] = field(default_factory=list)
-    record: Optional["StemCache"] = None
+    cache: Optional["PathCache"] = None
+    stem_id: Optional[int] = None
     inject: bool = False
     cp: Optional[CPLayout] = None
     _pieces: Dict[Tuple[Optional[int], Optional[int]], List[AttentionPiece]] = field(

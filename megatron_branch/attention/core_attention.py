@@ -21,7 +21,7 @@ from megatron_branch.context_parallel import gather_rows
 from megatron_branch.attention.kernels import KERNELS, default_kernel
 from megatron_branch.attention.plain import masked_attention, thd_attention, unmasked_attention
 from megatron_branch.packed_seq import BranchPackedSeqParams
-from megatron_branch.prefix_cache import inject, prefix_kv
+from megatron_branch.prefix_cache import inject
 
 Backend = Literal["cascade", "dense", "repeat_kv"]
 BACKENDS = ("cascade", "dense", "repeat_kv")
@@ -129,15 +129,15 @@ class BranchCoreAttention(MegatronModule):
         if b != 1:
             raise ValueError(f"query: a packed tree has batch size 1, got {b}")
         params = packed_seq_params
-        if params.record is not None:
+        cache = params.cache
+        if params.stem_id is not None:
             # Streaming replay: this forward is a stem; cache its K/V (after RoPE).
             lo, hi = params.local
             rows = max(0, min(hi, params.num_real) - lo)  # this rank's real (unpadded) tokens
-            params.record.cp = params.cp.without_padding(params.num_real) if params.cp is not None else None
-            k_leaf, v_leaf = params.record.record(self.layer_number, key, value, rows)
+            cache.record(self.layer_number, key, value, rows, params.stem_id)
             if params.inject:
-                key, value = inject(key, k_leaf), inject(value, v_leaf)
-        prefix = prefix_kv(params.prefix, self.layer_number) if params.prefix else []
+                key, value = inject(key, value, cache, self.layer_number, params.stem_id)
+        prefix = cache.prefix(self.layer_number) if cache is not None and cache.has_path else None
         q, k, v = query[:, 0], key[:, 0], value[:, 0]  # [s, 1, h, d] -> [s, h, d]
         if params.cp is not None:
             if self.backend != "cascade":
@@ -145,7 +145,7 @@ class BranchCoreAttention(MegatronModule):
             # [n_local, hk, d] -> [n_unit, hk, d]: keys of every shard this rank's queries see
             k, v = gather_rows(k, params.cp), gather_rows(v, params.cp)
         if self.backend == "repeat_kv":
-            if prefix:
+            if prefix is not None:
                 raise ValueError("backend: 'repeat_kv' does not support streaming replay")
             out = repeated_kv_attention(q, k, v, params.segments, self.softmax_scale)
         elif self.backend == "dense":
@@ -156,7 +156,7 @@ class BranchCoreAttention(MegatronModule):
             pieces = params.pieces(self.chunk_size, k_block)
             out = cascade_attention(
                 q, k, v, pieces, self.softmax_scale, kernel, prefix=prefix,
-                q_block=self.chunk_size, k_block=k_block,
+                q_block=self.chunk_size, k_block=k_block, prefix_cp=params.cp,
             )
         # [s, h, d] -> [s, 1, h * d]
         return out.reshape(s, 1, -1)

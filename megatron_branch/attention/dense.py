@@ -7,7 +7,7 @@ trees; the default backend is :mod:`megatron_branch.attention.cascade`.
 
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -20,7 +20,7 @@ def visibility_mask(last: Tensor) -> Tensor:
 
 
 def dense_tree_attention(
-    q: Tensor, k: Tensor, v: Tensor, last: Tensor, scale: float, prefix: Sequence[Tuple[Tensor, Tensor]] = ()
+    q: Tensor, k: Tensor, v: Tensor, last: Tensor, scale: float, prefix: Optional[Tuple[Tensor, Tensor]] = None
 ) -> Tensor:
     """Tree attention with an explicit mask.
 
@@ -28,16 +28,16 @@ def dense_tree_attention(
         q: ``[U, heads, head_dim]``; k, v: ``[U, kv_heads, head_dim]`` (GQA repeated here).
         last: ``[U]`` packed index of the last token of each token's subtree.
         scale: softmax scale.
-        prefix: cached ``(k, v)`` pairs every query sees (streaming replay).
+        prefix: the cached path ``(k, v)`` every query sees (streaming replay).
 
     Returns:
         ``[U, heads, head_dim]`` in the dtype of ``q``.
     """
     n = q.shape[0]
     mask = visibility_mask(last)
-    if prefix:
-        k = torch.cat([pk for pk, _ in prefix] + [k])
-        v = torch.cat([pv for _, pv in prefix] + [v])
+    if prefix is not None:
+        k = torch.cat([prefix[0], k])
+        v = torch.cat([prefix[1], v])
         mask = torch.cat([torch.ones(n, k.shape[0] - n, dtype=torch.bool, device=mask.device), mask], 1)
     rep = q.shape[1] // k.shape[1]
     if rep > 1:

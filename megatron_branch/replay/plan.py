@@ -43,49 +43,61 @@ class _Planner:
         self.ops: List[ReplayOp] = []
         self.group_of_root = group_of_root or {}
 
-    def forest(self, lo: int, hi: int) -> None:
-        """Sibling subtrees tiling ``[lo, hi)``."""
+    def run(self) -> None:
+        """Plan the whole tree with an explicit work stack (no recursion: trees thousands
+        of levels deep and stems cut into thousands of budget-sized pieces are fine)."""
+        work: List[tuple] = [("forest", 0, self.tree.unique_positions)]
+        while work:
+            item = work.pop()
+            if item[0] == "pop":
+                self.ops.append(ReplayOp("pop"))
+            elif item[0] == "chunk":
+                self.ops.append(ReplayOp("chunk", item[1], item[2]))
+            elif item[0] == "forest":
+                work.extend(reversed(self._forest(item[1], item[2])))
+            else:
+                work.extend(reversed(self._subtree(*item[1:])))
+
+    def _forest(self, lo: int, hi: int) -> List[tuple]:
+        """Sibling subtrees tiling ``[lo, hi)``: small ones grouped into chunks, in order."""
         subtrees = []
         pos = lo
         while pos < hi:
             seg = self.seg_at[pos]
             subtrees.append((seg.start, seg.end, seg.subtree_end))
             pos = seg.subtree_end
-        spans = self._spans(subtrees)
+        items: List[tuple] = []
         group_lo = group_hi = None
-        for span in spans:
+        for span in self._spans(subtrees):
             s0, s1 = span[0][0], span[-1][2]
             if s1 - s0 <= self.budget:
                 if group_lo is not None and s1 - group_lo > self.budget:
-                    self.ops.append(ReplayOp("chunk", group_lo, group_hi))
+                    items.append(("chunk", group_lo, group_hi))
                     group_lo = None
                 group_lo = s0 if group_lo is None else group_lo
                 group_hi = s1
                 continue
             if group_lo is not None:
-                self.ops.append(ReplayOp("chunk", group_lo, group_hi))
+                items.append(("chunk", group_lo, group_hi))
                 group_lo = None
             if len(span) > 1:
                 raise ValueError(
                     f"group_ids: a group's rollouts span {s1 - s0} tokens below their shared "
                     f"stem (packed {s0}..{s1}); max_chunk_tokens must be at least {s1 - s0}"
                 )
-            self.subtree(*span[0])
+            items.append(("subtree",) + span[0])
         if group_lo is not None:
-            self.ops.append(ReplayOp("chunk", group_lo, group_hi))
+            items.append(("chunk", group_lo, group_hi))
+        return items
 
-    def subtree(self, start: int, end: int, subtree_end: int) -> None:
+    def _subtree(self, start: int, end: int, subtree_end: int) -> List[tuple]:
         """The chain ``[start, end)`` and everything below it (ends at ``subtree_end``)."""
         if subtree_end - start <= self.budget:
-            self.ops.append(ReplayOp("chunk", start, subtree_end))
-            return
+            return [("chunk", start, subtree_end)]
         stem_end = min(end, start + self.budget)
         self.ops.append(ReplayOp("stem", start, stem_end))
-        if stem_end < end:
-            self.subtree(stem_end, end, subtree_end)
-        else:
-            self.forest(end, subtree_end)
-        self.ops.append(ReplayOp("pop"))
+        below = ("subtree", stem_end, end, subtree_end) if stem_end < end else ("forest", end, subtree_end)
+        return [below, ("pop",)]
 
     def _spans(self, subtrees):
         """Sibling subtrees merged into contiguous spans that keep groups together."""
@@ -140,11 +152,24 @@ def plan_replay(
         ends = last_token(tree)
         group_of_last = {int(ends[r]): int(g) for r, g in enumerate(group_ids)}
     planner = _Planner(tree, int(max_chunk_tokens), group_of_last)
-    planner.forest(0, U)
+    planner.run()
     ops = planner.ops
     if group_ids is not None:
         _check_groups(tree, ops, group_ids)
     return ops
+
+
+def path_capacity(ops: Sequence[ReplayOp]) -> int:
+    """Most stem tokens on the stack at once: the rows a path cache needs."""
+    depth, stack, most = 0, [], 0
+    for op in ops:
+        if op.kind == "stem":
+            stack.append(op.end - op.start)
+            depth += stack[-1]
+            most = max(most, depth)
+        elif op.kind == "pop":
+            depth -= stack.pop()
+    return most
 
 
 def last_token(tree: BranchTree) -> np.ndarray:

@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 
 from megatron_branch.memory import PeakMemory
-from megatron_branch.prefix_cache import StemCache
-from megatron_branch.replay.plan import ReplayOp, plan_replay, unit_of_rollouts
+from megatron_branch.prefix_cache import PathCache, StemRows
+from megatron_branch.replay.plan import ReplayOp, path_capacity, plan_replay, unit_of_rollouts
 from megatron_branch.scoring import check_model, model_device
 from megatron_branch.training.ddp import GradSync, as_chunks, param_grad, single_chunk
 from megatron_branch.tree import BranchTree
@@ -74,10 +74,11 @@ class ReplayStats:
 
 @dataclass
 class _Stem:
-    cache: StemCache
+    rows: StemRows  # its rows in the path cache
+    start: int
+    end: int
     children: Tensor  # packed indices whose parent lies in the stem
-    lp_leaf: Tensor  # their log-probs, as a leaf
-    lp_graph: Optional[Tensor]  # the same with the stem's graph (kept activations)
+    lp_graph: Optional[Tensor]  # their log-probs with the stem's graph (kept activations)
 
 
 def split_loss(out) -> Tuple[Tensor, Optional[Tensor]]:
@@ -91,16 +92,20 @@ def split_loss(out) -> Tuple[Tensor, Optional[Tensor]]:
 
 class _Replayer:
     def __init__(self, model, tree: BranchTree, loss_fn: LossFn, exact: bool, recompute_stem: bool,
-                 cp_comm_type: str):
+                 cp_comm_type: str, capacity: int):
         self.model, self.tree, self.loss_fn = model, tree, loss_fn
         self.exact, self.recompute_stem = exact, recompute_stem
         self.cp_comm_type = cp_comm_type
         self.grad_on = torch.is_grad_enabled()
         self.device = model_device(model)
         self.stack: List[_Stem] = []
+        self.cache = PathCache(capacity, requires_grad=exact)
+        # log-probs of the stems' children, a leaf: chunk losses accumulate their gradients
+        self.lp_known = torch.zeros(tree.unique_positions, dtype=torch.float32, device=self.device,
+                                    requires_grad=exact)
         self.total = 0.0
         self.count: Optional[float] = None
-        self.forwarded = self.recomputed = self.peak_cache = 0
+        self.forwarded = self.recomputed = 0
         self.children = ChildIndex(tree)
         self.sync = GradSync(model)
         self.final = False  # the step's last backward: Megatron DDP may reduce in it
@@ -110,19 +115,17 @@ class _Replayer:
         with ctx:
             torch.autograd.backward(tensors, grads)
 
-    def forward_unit(self, start: int, end: int, **cache):
+    def forward_unit(self, start: int, end: int, **stem):
         self.forwarded += end - start
         idx, lp, _ = forward_unit(
             self.model, self.tree, start, end, self.children, cp_comm_type=self.cp_comm_type,
-            prefix=[s.cache for s in self.stack], **cache,
+            cache=self.cache, **stem,
         )
         return idx, lp
 
     def evaluate(self, rollouts: Sequence[int], own: Optional[tuple] = None) -> None:
-        """loss_fn on ``rollouts`` from the stack's leaves (and this unit's graph)."""
-        lp_vec = torch.zeros(self.tree.unique_positions, dtype=torch.float32, device=self.device)
-        for stem in self.stack:
-            lp_vec = lp_vec.index_put((stem.children.to(self.device),), stem.lp_leaf)
+        """loss_fn on ``rollouts`` from the stems' leaf log-probs (and this unit's graph)."""
+        lp_vec = self.lp_known
         if own is not None:
             lp_vec = lp_vec.index_put((own[0].to(self.device),), own[1])
         ids = torch.tensor(rollouts, dtype=torch.long)
@@ -142,28 +145,35 @@ class _Replayer:
             self.backward([own[1].sum() * 0.0])
 
     def stem(self, op: ReplayOp, rollouts: Sequence[int]) -> None:
-        cache = StemCache(op.start, op.end, requires_grad=self.exact)
         keep = self.exact and not self.recompute_stem
+        stem_id = self.cache.begin_stem()
         ctx = contextlib.nullcontext() if keep else torch.no_grad()
         with ctx:
-            children, lp = self.forward_unit(op.start, op.end, record=cache, inject=keep)
-        leaf = lp.detach().requires_grad_(self.exact)
-        self.stack.append(_Stem(cache, children, leaf, lp if keep else None))
-        self.peak_cache = max(self.peak_cache, sum(s.cache.nbytes() for s in self.stack))
+            children, lp = self.forward_unit(op.start, op.end, stem_id=stem_id, inject=keep)
+        rows = self.cache.push()
+        with torch.no_grad():
+            self.lp_known[children.to(self.device)] = lp.detach().float()
+        self.stack.append(_Stem(rows, op.start, op.end, children, lp if keep else None))
         if rollouts:
             self.evaluate(rollouts)
 
     def pop(self) -> None:
         stem = self.stack.pop()
+        rows = self.cache.pop()
         if not self.exact:
+            self.cache.release(rows)
             return
         lp = stem.lp_graph
         if lp is None:  # recompute the stem's forward, now with its graph
-            _, lp = self.forward_unit(stem.cache.start, stem.cache.end, record=stem.cache, inject=True)
-            self.recomputed += stem.cache.end - stem.cache.start
-        grad = stem.lp_leaf.grad if stem.lp_leaf.grad is not None else torch.zeros_like(lp)
+            self.cache.begin_stem(rows.stem_id)
+            _, lp = self.forward_unit(stem.start, stem.end, stem_id=rows.stem_id, inject=True)
+            self.cache.open = None
+            self.recomputed += stem.end - stem.start
+        known = self.lp_known.grad
+        grad = known[stem.children.to(self.device)] if known is not None else torch.zeros_like(lp)
         # Also adds every layer's accumulated dK/dV through the InjectGrad nodes.
-        self.backward([lp], [grad])
+        self.backward([lp], [grad.to(lp.dtype)])
+        self.cache.release(rows)
 
     def chunk(self, op: ReplayOp, rollouts: Sequence[int]) -> None:
         own = self.forward_unit(op.start, op.end)
@@ -225,8 +235,9 @@ def replay_step(
     ops = plan_replay(tree, max_chunk_tokens, group_ids)
     owners: Dict[int, List[int]] = unit_of_rollouts(tree, ops)
     exact = prefix_grad == "exact" and torch.is_grad_enabled()
-    run = _Replayer(model, tree, loss_fn, exact, recompute_stem, cp_comm_type)
-    last_backward = max(i for i, op in enumerate(ops) if op.kind == "chunk" or (op.kind == "pop" and exact))
+    run = _Replayer(model, tree, loss_fn, exact, recompute_stem, cp_comm_type, path_capacity(ops))
+    last_backward = max((i for i, op in enumerate(ops) if op.kind == "chunk" or (op.kind == "pop" and exact)),
+                        default=-1)
     meter = PeakMemory(run.device) if measure_memory else contextlib.nullcontext()
     with meter:
         for i, op in enumerate(ops):
@@ -245,7 +256,7 @@ def replay_step(
         naive_positions=tree.naive_positions,
         positions_forwarded=run.forwarded,
         positions_recomputed=run.recomputed,
-        peak_cache_bytes=run.peak_cache,
+        peak_cache_bytes=run.cache.peak_bytes,
         peak_memory_bytes=meter.peak_bytes if measure_memory else None,
         prefix_grad=prefix_grad,
         num_tokens=run.count,
