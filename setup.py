@@ -28,6 +28,10 @@ setup(
         "modelopt": ["nvidia-modelopt==0.47.*", "requests", "huggingface_hub"],
         "hf": ["transformers", "safetensors"],
         "launch": ["nemo-run==0.11.1", "leptonai<0.47"],
+        # What Megatron-LM's megatron/training (pretrain) and Megatron-RL (train_rl.py) import
+        # at core_v0.16.1; Megatron-LM itself is a git checkout (patches/megatron-lm-core_v0.16.1).
+        "megatron-lm": ["triton", "tensorboard", "wandb", "pydantic", "pyyaml", "regex", "transformers", "fastapi",
+                        "uvicorn", "httpx"],
     },
     entry_points={"console_scripts": ["megatron-branch=megatron_branch.cli:main"]},
 )

@@ -11,6 +11,9 @@ Patched points (megatron-core 0.16.1, torch 2.13 CPU build):
   (rotary tables, TP/SP buffers, global memory buffer); on a CPU-only build the call
   raises. Routed to the CPU device.
 * ``torch.cuda.synchronize`` — called by dist-checkpointing; a no-op on CPU.
+* ``torch.cuda.current_stream`` — megatron-core 0.19's DDP bucket reduction waits on the
+  current stream's CUDA-graph events before every reduction; on CPU there is one
+  implicit stream, so it answers a stream whose waits do nothing.
 * the model-parallel RNG tracker — ``CudaRNGStatesTracker`` forks CUDA generators
   (attention dropout, TP weight init). Replaced by :class:`CpuRNGStatesTracker`, which
   forks the CPU generator the same way.
@@ -26,6 +29,11 @@ Patched points (megatron-core 0.16.1, torch 2.13 CPU build):
   (Megatron's ``finalize_model_grads`` then all-reduces them over TP).
 * ``megatron.core.utils.is_te_min_version`` — raises ``TypeError`` when Transformer Engine
   is absent; made to answer ``False``.
+
+Two scoped context managers add what else a caller needs: :func:`cuda_factories_on_cpu`
+(``device="cuda"`` factories and CUDA type checks in megatron-core's schedules and
+optimizers) and :func:`megatron_lm_on_cpu` (Megatron-LM's own training loop, each shim
+with its reason in its docstring).
 
 Remove a shim when the upstream version it names no longer needs it.
 """
@@ -91,6 +99,22 @@ def _no_sync(*args, **kwargs) -> None:
     return None
 
 
+class _CpuStream:
+    """The CPU's single implicit stream: waiting on it or recording into it is a no-op."""
+
+    def wait_event(self, *args, **kwargs) -> None:
+        return None
+
+    def wait_stream(self, *args, **kwargs) -> None:
+        return None
+
+    def record_event(self, *args, **kwargs) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
 def enable_cpu(seed: int = 1234) -> List[str]:
     """Make megatron-core's GPTModel runnable on CPU (idempotent; no-op with CUDA).
 
@@ -109,6 +133,8 @@ def enable_cpu(seed: int = 1234) -> List[str]:
     _APPLIED.append("torch.cuda.current_device->cpu")
     torch.cuda.synchronize = _no_sync
     _APPLIED.append("torch.cuda.synchronize->noop")
+    torch.cuda.current_stream = lambda *args, **kwargs: _CpuStream()
+    _APPLIED.append("torch.cuda.current_stream->CPU stream (no-op waits)")
 
     from megatron.core import utils as mcore_utils
     from megatron.core.tensor_parallel import random as mcore_random
@@ -203,3 +229,107 @@ def cuda_factories_on_cpu():
 def cpu_enabled() -> bool:
     """True once :func:`enable_cpu` has patched this process."""
     return bool(_APPLIED)
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def _counts_one_device():
+    saved = torch.cuda.device_count, torch.cuda.set_device
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.set_device = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        torch.cuda.device_count, torch.cuda.set_device = saved
+
+
+@contextlib.contextmanager
+def megatron_lm_on_cpu():
+    """Run Megatron-LM's training loop (``megatron.training.pretrain``) on a machine
+    without CUDA, over gloo; a no-op where CUDA is available.
+
+    Scoped: everything below is undone on exit. It adds to :func:`enable_cpu` (which it
+    calls, and which stays in effect) and :func:`cuda_factories_on_cpu` (entered for the
+    duration) the places where Megatron-LM ``core_v0.16.1`` itself assumes a GPU:
+
+    * ``initialize_megatron`` asserts ``torch.cuda.is_available()`` unless
+      ``allow_no_cuda=True``, which ``pretrain`` never passes: ``training.initialize_megatron``
+      is wrapped to pass it.
+    * the rerun state machine saves and restores ``torch.cuda.get_rng_state()`` every
+      iteration: ``torch.cuda.get_rng_state`` / ``set_rng_state`` hold an empty state
+      (the CPU generator is saved by the same code).
+    * ``_initialize_distributed`` creates the model-parallel groups
+      (``initialize_model_parallel``) only if ``torch.cuda.device_count() > 0``: during
+      that call it counts one device and ``torch.cuda.set_device`` does nothing.
+    * ``_compile_dependencies`` builds the C++ dataset index helpers (``make`` with
+      pybind11; only Megatron's indexed datasets need them, not an external data loader)
+      and loads the CUDA fused kernels (``nvcc``): skipped.
+    * ``get_model``'s DDP wrapping (``_ddp_wrap``) runs on a side stream
+      (``torch.cuda.Stream``, ``torch.cuda.stream``, ``current_stream``): the CPU's one
+      implicit stream stands in.
+    * ``torch.cuda.nvtx.range_push`` / ``range_pop`` (Megatron-RL's ``get_nvtx_range``
+      in ``get_logprobs`` and ``prepare_data_for_update``, ``--profile``) raise without
+      CUDA: made no-ops.
+    * ``moe_utils.te_general_gemm`` is referenced by the MoE router without Transformer
+      Engine but only defined with it: defined as ``None`` (the torch path).
+    * ``model.cuda()``, ``device='cuda'`` factories (flags, timers, loss reductions,
+      Megatron-RL's advantages) and the optimizers' CUDA type checks, gradient clipping
+      (``--clip-grad``) included: :func:`cuda_factories_on_cpu`.
+
+    Yields:
+        The names of the shims in effect (empty where CUDA is available).
+    """
+    if torch.cuda.is_available():
+        yield []
+        return
+    import megatron.training.initialize as mlm_initialize
+    import megatron.training.training as mlm_training
+
+    applied = enable_cpu()
+    saved = {}
+
+    def patch(owner, name: str, value, label: str) -> None:
+        saved[(owner, name)] = getattr(owner, name, _MISSING)
+        setattr(owner, name, value)
+        applied.append(label)
+
+    original_init = mlm_training.initialize_megatron
+
+    def initialize_megatron(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        return original_init(*args, **kwargs)
+
+    patch(mlm_training, "initialize_megatron", initialize_megatron, "training.initialize_megatron(allow_no_cuda=True)")
+    original_dist = mlm_initialize._initialize_distributed
+
+    def initialize_distributed(*args, **kwargs):
+        # Megatron-LM builds the model-parallel groups only when it counts a GPU.
+        with _counts_one_device():
+            return original_dist(*args, **kwargs)
+
+    patch(mlm_initialize, "_initialize_distributed", initialize_distributed,
+          "initialize._initialize_distributed: model-parallel groups without a GPU")
+    patch(mlm_initialize, "_compile_dependencies", lambda: None, "initialize._compile_dependencies->skipped")
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        patch(moe_utils, "te_general_gemm", None, "moe_utils.te_general_gemm->None")
+    patch(torch.cuda, "get_rng_state", lambda *a, **k: torch.empty(0, dtype=torch.uint8),
+          "torch.cuda.get_rng_state->empty")
+    patch(torch.cuda, "set_rng_state", lambda *a, **k: None, "torch.cuda.set_rng_state->noop")
+    patch(torch.cuda, "Stream", lambda *a, **k: _CpuStream(), "torch.cuda.Stream->CPU stream")
+    patch(torch.cuda, "current_stream", lambda *a, **k: _CpuStream(), "torch.cuda.current_stream->CPU stream")
+    patch(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext(), "torch.cuda.stream->nullcontext")
+    patch(torch.cuda.nvtx, "range_push", lambda *a, **k: None, "torch.cuda.nvtx.range_push->noop")
+    patch(torch.cuda.nvtx, "range_pop", lambda *a, **k: None, "torch.cuda.nvtx.range_pop->noop")
+    try:
+        with cuda_factories_on_cpu():
+            yield list(applied)
+    finally:
+        for (owner, name), value in saved.items():
+            if value is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)

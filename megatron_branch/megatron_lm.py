@@ -94,14 +94,13 @@ class ArgsBranchSpec(ModuleSpec):
                     "branch_spec_from_args(args)"
                 ) from exc
             args = get_args()
+            if getattr(args, "num_experts", None) and getattr(args, "virtual_pipeline_model_parallel_size", None):
+                # One object serves every model chunk, but MoE block specs differ per chunk.
+                raise ValueError(
+                    "--virtual-pipeline-model-parallel-size: with --num-experts the branch spec is per "
+                    "virtual stage; build it in a model provider with branch_spec_from_args(args, config, vp_stage)")
             spec = branch_spec_from_args(args)
             if not isinstance(spec, ModuleSpec):  # a block spec (MoE layer pattern)
-                if getattr(args, "virtual_pipeline_model_parallel_size", None):
-                    # One object serves every model chunk, but block specs differ per chunk.
-                    raise ValueError(
-                        "--virtual-pipeline-model-parallel-size: with --num-experts the branch spec is "
-                        "per virtual stage; build it in a model provider with "
-                        "branch_spec_from_args(args, config, vp_stage)")
                 from megatron_branch._megatron import TransformerBlock
 
                 spec = ModuleSpec(module=TransformerBlock, submodules=spec)

@@ -95,10 +95,10 @@ def make_naive_forward_step(loss_fn, sequences: Sequence, forward_only: bool = F
             lp = torch.where(valid, lp, torch.zeros((), device=device))
             out = loss_fn(torch.nn.functional.pad(lp, (0, item.width - lp.shape[1])), ids_r)
             if not isinstance(out, (tuple, list)):
-                return out, {"loss": out.detach()}
+                return out, {"lm loss": out.detach().float().reshape(1)}
             loss, count = out
             tokens = torch.tensor(int(round(float(count))), dtype=torch.int)
-            return loss, tokens, {"loss": loss.detach().float(), "num_tokens": tokens}
+            return loss, tokens, {"lm loss": torch.stack([loss.detach().float(), tokens.float()])}
 
         return output, loss_func
 

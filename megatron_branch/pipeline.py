@@ -56,6 +56,12 @@ def token_count(count, cp_rank: int) -> Tensor:
     return torch.tensor(int(round(value)) if cp_rank == 0 else 0, dtype=torch.int)
 
 
+def report(loss: Tensor, tokens: Tensor) -> Tensor:
+    """The ``[loss_sum, num_tokens]`` pair Megatron-LM's ``train_step`` averages over the
+    global token count (its per-token loss reporting)."""
+    return torch.stack([loss.detach().float().reshape(()), tokens.float().reshape(())])
+
+
 def forward_backward(
     model,
     data: Sequence[MicroBatch],
@@ -79,6 +85,10 @@ def forward_backward(
         forward_step_func: replaces :func:`make_forward_step` (e.g. the naive truth,
             :func:`megatron_branch.naive.make_naive_forward_step`).
         cp_comm_type: context-parallel K/V exchange.
+
+    Returns:
+        One dict per micro-batch: ``{"lm loss": [loss_sum, num_tokens]}`` (a bare loss
+        with ``forward_only`` scalar losses), as Megatron-LM's ``train_step`` reports it.
 
     On a CPU-only machine the schedule runs inside
     :func:`megatron_branch.cpu.cuda_factories_on_cpu` (it allocates with ``device="cuda"``).
@@ -139,10 +149,10 @@ def make_forward_step(loss_fn: LossFn, forward_only: bool = False, cp_comm_type:
             if count is None:
                 if not forward_only:
                     raise ValueError("loss_fn: must return (loss_sum, num_tokens) for training")
-                return loss, {"loss": loss.detach()}
+                return loss, {"lm loss": loss.detach().float().reshape(1)}
             cp_rank = parallel_state.get_context_parallel_rank()
             tokens = token_count(count, cp_rank)
-            return loss, tokens, {"loss": loss.detach().float(), "num_tokens": tokens}
+            return loss, tokens, {"lm loss": report(loss, tokens)}
 
         return output, loss_func
 

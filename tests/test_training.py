@@ -268,4 +268,4 @@ def test_pipeline_forward_step_refuses_megatrons_mean():
     with pytest.raises(ValueError, match="calculate_per_token_loss"):
         forward_backward(model, [tree], loss_fn)
     out = forward_backward(model, [tree], lambda lp, ids: lp.sum(), forward_only=True)
-    assert len(out) == 1 and float(out[0]["loss"]) < 0
+    assert len(out) == 1 and float(out[0]["lm loss"][0]) < 0

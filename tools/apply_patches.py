@@ -1,10 +1,17 @@
 """Check (and optionally apply) the patches under ``patches/`` against an upstream checkout.
 
-    python tools/apply_patches.py --checkout ~/src/verl [--upstream verl] [--apply]
+    python tools/apply_patches.py --checkout ~/src/Megatron-LM --upstream megatron-lm [--apply]
 
-Every ``patches/<upstream>-<version>/*.patch`` whose upstream matches is checked with
-``git apply --check`` in the checkout (in name order); ``--apply`` applies them once all
-check cleanly. Exit code 1 if any patch does not apply.
+Patches live in ``patches/<upstream>-<version>/NNNN-topic.patch``. A folder may hold an
+``UPSTREAM`` file (``repository: URL``, ``tag: TAG``, ``commit: SHA``); such a folder is
+used only for a checkout whose ``HEAD`` carries that tag; with ``--upstream``, a checkout
+that matches none of that upstream's folders is refused, naming the tags that do have
+patches. Every selected patch is checked
+with ``git apply --check`` in the checkout (in name order); ``--apply`` applies them once
+all check cleanly. Patches already applied (``git apply --reverse --check`` succeeds) are
+reported and left alone, so ``--apply`` can be repeated. Exit code 1 if any patch does
+not apply or no folder matches the checkout's tag, 2 if ``--checkout`` is not a git
+checkout.
 """
 
 from __future__ import annotations
@@ -14,17 +21,59 @@ import glob
 import os
 import subprocess
 import sys
+from typing import Dict, List, Optional
 
 PATCHES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "patches")
 
 
-def find_patches(root: str, upstream: str | None):
-    out = []
+def read_upstream(folder: str) -> Dict[str, str]:
+    """The ``key: value`` lines of ``folder/UPSTREAM`` (empty if there is none)."""
+    path = os.path.join(folder, "UPSTREAM")
+    if not os.path.isfile(path):
+        return {}
+    out = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            key, sep, value = line.partition(":")
+            if sep and not line.startswith("#"):
+                out[key.strip()] = value.strip()
+    return out
+
+
+def checkout_tags(checkout: str) -> List[str]:
+    """The tags that point at the checkout's ``HEAD``."""
+    res = subprocess.run(["git", "tag", "--points-at", "HEAD"], cwd=checkout, capture_output=True, text=True)
+    return res.stdout.split() if res.returncode == 0 else []
+
+
+def _git_apply(checkout: str, patch: str, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "apply", *flags, patch], cwd=checkout, capture_output=True, text=True)
+
+
+def is_applied(checkout: str, patch: str) -> bool:
+    """True if ``patch`` is already applied in ``checkout`` (it reverses cleanly)."""
+    return _git_apply(checkout, patch, "--reverse", "--check").returncode == 0
+
+
+def patches_applied(checkout: str, folder: str) -> bool:
+    """True if every patch of ``folder`` is applied in ``checkout``."""
+    patches = sorted(glob.glob(os.path.join(folder, "*.patch")))
+    return bool(patches) and all(is_applied(checkout, p) for p in patches)
+
+
+def select_folders(root: str, upstream: Optional[str], tags: List[str]):
+    """``(folders to use, tags of the folders skipped for another version)``."""
+    chosen, other = [], []
     for folder in sorted(glob.glob(os.path.join(root, "*-*"))):
         name = os.path.basename(folder)
-        if os.path.isdir(folder) and (upstream is None or name.rsplit("-", 1)[0] == upstream):
-            out += sorted(glob.glob(os.path.join(folder, "*.patch")))
-    return out
+        if not os.path.isdir(folder) or (upstream is not None and name.rsplit("-", 1)[0] != upstream):
+            continue
+        tag = read_upstream(folder).get("tag")
+        if tag is None or tag in tags:
+            chosen.append(folder)
+        else:
+            other.append(tag)
+    return chosen, other
 
 
 def main(argv=None) -> int:
@@ -34,26 +83,39 @@ def main(argv=None) -> int:
     p.add_argument("--patches", default=PATCHES, help="patch root (default: this repo's patches/)")
     p.add_argument("--apply", action="store_true", help="apply after every patch checked cleanly")
     args = p.parse_args(argv)
-    if not os.path.isdir(os.path.join(args.checkout, ".git")):
+    if not os.path.isdir(os.path.join(args.checkout, ".git")) and not os.path.isfile(
+            os.path.join(args.checkout, ".git")):
         print(f"error: --checkout {args.checkout} is not a git checkout", file=sys.stderr)
         return 2
-    patches = find_patches(args.patches, args.upstream)
+    tags = checkout_tags(args.checkout)
+    folders, other = select_folders(args.patches, args.upstream, tags)
+    patches = [x for f in folders for x in sorted(glob.glob(os.path.join(f, "*.patch")))]
     if not patches:
+        if other and args.upstream is not None:
+            print(f"error: the checkout is at tag(s) {', '.join(tags) or '(none)'}; {args.upstream} patches "
+                  f"exist for {', '.join(sorted(other))}: check out one of those", file=sys.stderr)
+            return 1
         print("no patches to check (see patches/README.md for the integration points)")
         return 0
-    failed = []
+    failed, pending = [], []
     for patch in patches:
-        res = subprocess.run(["git", "apply", "--check", patch], cwd=args.checkout, capture_output=True, text=True)
-        print(f"{'ok  ' if res.returncode == 0 else 'FAIL'} {os.path.relpath(patch, args.patches)}")
+        name = os.path.relpath(patch, args.patches)
+        if is_applied(args.checkout, patch):
+            print(f"ok   {name} (already applied)")
+            continue
+        res = _git_apply(args.checkout, patch, "--check")
+        print(f"{'ok  ' if res.returncode == 0 else 'FAIL'} {name}")
         if res.returncode:
             failed.append(patch)
             print(res.stderr.strip(), file=sys.stderr)
+        else:
+            pending.append(patch)
     if failed:
         return 1
     if args.apply:
-        for patch in patches:
+        for patch in pending:
             subprocess.run(["git", "apply", patch], cwd=args.checkout, check=True)
-        print(f"applied {len(patches)} patch(es)")
+        print(f"applied {len(pending)} patch(es)")
     return 0
 
 

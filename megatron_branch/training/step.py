@@ -117,10 +117,8 @@ def forward_backward_step(
         finalize = config.finalize_model_grads_func
 
         def finalize_and_keep(model_chunks, num_tokens, **kwargs):
-            box["tokens"] = None if num_tokens is None else num_tokens.clone()
-            finalize(model_chunks, num_tokens, **kwargs)
-            if num_tokens is not None:
-                box["tokens"] = num_tokens.clone()
+            finalize(model_chunks, num_tokens, **kwargs)  # all-reduces num_tokens in place
+            box["tokens"] = None if num_tokens is None else int(num_tokens)
 
         config.finalize_model_grads_func = finalize_and_keep
         try:
@@ -128,7 +126,7 @@ def forward_backward_step(
                                    cp_comm_type=cp_comm_type)
         finally:
             config.finalize_model_grads_func = finalize
-        loss_sum = float(sum(float(d["loss"]) for d in out)) if out else 0.0
+        loss_sum = float(sum(float(d["lm loss"][0]) for d in out)) if out else 0.0
         return loss_sum, int(box["tokens"]) if box.get("tokens") is not None else -1
     if len(chunks) > 1 or parallel_state.get_pipeline_model_parallel_world_size() > 1:
         raise ValueError("max_chunk_tokens: streaming replay runs without pipeline parallelism; "

@@ -1,0 +1,223 @@
+"""The Megatron-LM glue that runs without a Megatron-LM checkout: the branch spec from
+parsed arguments, the Megatron-RL trajectory helpers, the patch tool's ``--apply`` and
+the shipped patch folder."""
+
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import make_pair
+from megatron_branch.attention.core_attention import BranchCoreAttention
+from megatron_branch.megatron_lm import branch_spec_from_args
+from megatron_branch.megatron_rl import (
+    replay_trajectory_logprobs,
+    trajectory_lengths,
+    trajectory_logprobs,
+    trajectory_tree,
+)
+from megatron_branch.models import llama_config
+from megatron_branch.naive import naive_rollout_logprobs
+from megatron_branch.self_attention import BranchSelfAttention
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(ROOT, "tools", "apply_patches.py")
+PATCHES = os.path.join(ROOT, "patches", "megatron-lm-core_v0.16.1")
+
+
+# ----------------------------------------------------------------------------- branch spec
+def lm_args(**overrides):
+    """The fields of Megatron-LM's parsed arguments that the branch spec reads."""
+    fields = dict(normalization="RMSNorm", qk_layernorm=False, transformer_impl="local", num_experts=None,
+                  moe_grouped_gemm=False, attention_dropout=0.0, multi_latent_attention=False,
+                  experimental_attention_variant=None, qk_l2_norm=False, heterogeneous_layers_config_path=None,
+                  mtp_num_layers=None)
+    fields.update(overrides)
+    return argparse.Namespace(**fields)
+
+
+def gpt(spec, config):
+    """A tiny GPTModel on ``spec`` (a layer or block spec)."""
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_branch.cpu import cuda_factories_on_cpu
+
+    with cuda_factories_on_cpu():
+        return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=64, max_sequence_length=64,
+                        position_embedding_type="rope", share_embeddings_and_output_weights=False)
+
+
+def shapes(model):
+    return {n: tuple(p.shape) for n, p in model.state_dict().items() if not n.endswith("_extra_state")}
+
+
+def attention_kinds(model):
+    return {type(layer.self_attention.core_attention) for layer in model.decoder.layers}
+
+
+@pytest.mark.parametrize("qk_layernorm", [False, True])
+def test_branch_spec_from_args_is_the_local_spec_with_tree_attention(qk_layernorm):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = llama_config(num_layers=2, hidden_size=64, qk_layernorm=qk_layernorm)
+    branch = gpt(branch_spec_from_args(lm_args(qk_layernorm=qk_layernorm)), config)
+    stock = gpt(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm), config)
+    assert shapes(branch) == shapes(stock)  # stock checkpoints load as they are
+    assert any("q_layernorm" in n for n in shapes(branch)) == qk_layernorm
+    assert attention_kinds(branch) == {BranchCoreAttention}
+    assert all(isinstance(layer.self_attention, BranchSelfAttention) for layer in branch.decoder.layers)
+
+
+def test_branch_spec_from_args_moe_layer_pattern():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    config = llama_config(num_layers=2, hidden_size=64, num_moe_experts=4, moe_layer_freq=[0, 1],
+                          moe_router_topk=2, moe_ffn_hidden_size=64, moe_token_dispatcher_type="allgather")
+    branch = gpt(branch_spec_from_args(lm_args(num_experts=4), config=config), config)
+    stock = gpt(get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm"), config)
+    assert shapes(branch) == shapes(stock)
+    assert attention_kinds(branch) == {BranchCoreAttention}
+    assert [isinstance(layer.mlp, MoELayer) for layer in branch.decoder.layers] == [False, True]
+
+
+@pytest.mark.parametrize("overrides, flag", [
+    (dict(multi_latent_attention=True), "--multi-latent-attention"),
+    (dict(experimental_attention_variant="gated_delta_net"), "--experimental-attention-variant"),
+    (dict(qk_l2_norm=True), "--qk-l2-norm"),
+    (dict(heterogeneous_layers_config_path="layers.json"), "--heterogeneous-layers-config-path"),
+    (dict(mtp_num_layers=1), "--mtp-num-layers"),
+    (dict(attention_dropout=0.1), "--attention-dropout"),
+    (dict(transformer_impl="inference_optimized"), "--transformer-impl inference_optimized"),
+])
+def test_branch_spec_from_args_refusals(overrides, flag):
+    with pytest.raises(ValueError, match=flag):
+        branch_spec_from_args(lm_args(**overrides))
+
+
+def test_branch_spec_from_args_transformer_engine_needs_te():
+    from megatron_branch._deps import HAVE_TE
+
+    if HAVE_TE:
+        pytest.skip("Transformer Engine is installed")
+    with pytest.raises(ValueError, match="--transformer-impl transformer_engine"):
+        branch_spec_from_args(lm_args(transformer_impl="transformer_engine"))
+
+
+# ----------------------------------------------------------------------------- Megatron-RL helpers
+PAD, EOD = 126, 127
+
+
+def padded(seqs, width, pad=PAD):
+    out = torch.full((len(seqs), width), pad, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = torch.as_tensor(s)
+    return out
+
+
+def test_trajectory_lengths_strip_padding_keep_eod():
+    tokens = padded([[5, 6, EOD], [5, 7, 8, 9, EOD], [1, 2, 3, 4, 5, 6]], 6)
+    assert trajectory_lengths(tokens, PAD, EOD).tolist() == [3, 5, 6]
+    same = padded([[5, 6, EOD], [5, PAD, 8, EOD], [1, 2, 3, 4, 5, 6]], 6, pad=EOD)  # pad id == eod id
+    assert trajectory_lengths(same, EOD, EOD).tolist() == [3, 4, 6]
+    with pytest.raises(ValueError, match="tokens"):
+        trajectory_lengths(tokens.float(), PAD, EOD)
+
+
+def test_trajectory_logprobs_match_naive_per_row_and_pad_with_zeros():
+    branch, stock = make_pair(seed=1)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 100, (9,), generator=gen).tolist()
+    seqs = [prompt + torch.randint(0, 100, (n,), generator=gen).tolist() + [EOD] for n in (4, 6, 3)]
+    seqs.append(seqs[0][:11] + [7, EOD])  # shares a response stem with rollout 0
+    tokens = padded(seqs, 24)
+    assert trajectory_tree(tokens, PAD, EOD).unique_positions < sum(map(len, seqs))
+    want = naive_rollout_logprobs(stock, seqs)  # [4, 16]
+    for lp in (trajectory_logprobs(branch, tokens, PAD, EOD),
+               replay_trajectory_logprobs(branch, tokens, PAD, EOD, max_chunk_tokens=5)):
+        assert lp.shape == (4, 23) and lp.dtype == torch.float32
+        torch.testing.assert_close(lp[:, : want.shape[1]], want, atol=1e-5, rtol=0)
+        assert (lp[:, want.shape[1]:] == 0).all()
+    lp = trajectory_logprobs(branch, tokens, PAD, EOD)
+    lp.sum().backward()
+    assert all(p.grad is not None for p in branch.parameters())
+
+
+# ----------------------------------------------------------------------------- patch tool
+def _git(cwd, *args):
+    subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True,
+                   env=dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
+                            GIT_COMMITTER_EMAIL="t@t"))
+
+
+def _tool(*args):
+    return subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True)
+
+
+@pytest.fixture
+def upstream(tmp_path):
+    """A git repo tagged v1.0 and a patch folder for it (``up-v1.0``, UPSTREAM tag v1.0)."""
+    repo = tmp_path / "up"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    (repo / "a.py").write_text("x = 1\n")
+    _git(repo, "add", "a.py")
+    _git(repo, "commit", "-qm", "init")
+    _git(repo, "tag", "v1.0")
+    folder = tmp_path / "patches" / "up-v1.0"
+    folder.mkdir(parents=True)
+    (folder / "UPSTREAM").write_text("repository: https://example.invalid/up\ntag: v1.0\n")
+    (folder / "0001-x.patch").write_text("--- a/a.py\n+++ b/a.py\n@@ -1 +1 @@\n-x = 1\n+x = 2\n")
+    return repo, tmp_path / "patches"
+
+
+def test_apply_patches_applies_the_folder_of_the_checkouts_tag(upstream):
+    repo, patches = upstream
+    args = ["--checkout", str(repo), "--patches", str(patches), "--upstream", "up"]
+    check = _tool(*args)
+    assert check.returncode == 0 and "ok   up-v1.0/0001-x.patch" in check.stdout
+    assert (repo / "a.py").read_text() == "x = 1\n"  # check-only changes nothing
+    applied = _tool(*args, "--apply")
+    assert applied.returncode == 0 and "applied 1 patch(es)" in applied.stdout
+    assert (repo / "a.py").read_text() == "x = 2\n"
+    again = _tool(*args, "--apply")  # idempotent
+    assert again.returncode == 0 and "already applied" in again.stdout and "applied 0 patch(es)" in again.stdout
+    assert (repo / "a.py").read_text() == "x = 2\n"
+
+
+def test_apply_patches_refuses_a_checkout_at_another_tag(upstream):
+    repo, patches = upstream
+    (repo / "b.py").write_text("y = 1\n")
+    _git(repo, "add", "b.py")
+    _git(repo, "commit", "-qm", "next")
+    _git(repo, "tag", "v2.0")
+    res = _tool("--checkout", str(repo), "--patches", str(patches), "--upstream", "up", "--apply")
+    assert res.returncode == 1 and "v2.0" in res.stderr and "v1.0" in res.stderr
+    assert (repo / "a.py").read_text() == "x = 1\n"
+    other = _tool("--checkout", str(repo), "--patches", str(patches), "--upstream", "other")
+    assert other.returncode == 0 and "no patches" in other.stdout
+
+
+def test_apply_patches_applies_nothing_when_one_fails(upstream):
+    repo, patches = upstream
+    (patches / "up-v1.0" / "0002-bad.patch").write_text("--- a/a.py\n+++ b/a.py\n@@ -1 +1 @@\n-y = 1\n+y = 2\n")
+    res = _tool("--checkout", str(repo), "--patches", str(patches), "--upstream", "up", "--apply")
+    assert res.returncode == 1 and "FAIL up-v1.0/0002-bad.patch" in res.stdout
+    assert (repo / "a.py").read_text() == "x = 1\n"
+
+
+def test_shipped_megatron_lm_patch_folder():
+    spec = importlib.util.spec_from_file_location("apply_patches", TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    upstream = tool.read_upstream(PATCHES)
+    assert upstream["repository"] == "https://github.com/NVIDIA/Megatron-LM"
+    assert upstream["tag"] == "core_v0.16.1" and len(upstream["commit"]) == 40
+    patch = open(os.path.join(PATCHES, "0001-branch-replay.patch"), encoding="utf-8").read()
+    for path in ("train_rl.py", "megatron/rl/rl_utils.py", "megatron/training/arguments.py"):
+        assert f"+++ b/{path}" in patch
+    assert "--rl-branch-replay" in patch and "import megatron_branch" not in patch  # imported lazily
