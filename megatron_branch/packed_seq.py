@@ -38,6 +38,8 @@ class BranchPackedSeqParams(PackedSeqParams):
         stem_id: this forward is that stem's: it writes its K/V into ``cache``.
         inject: add the gradients accumulated for ``stem_id`` in the backward (exact replay).
         cp: the context-parallel split of the unit, or None.
+        multiplicity: ``[n_local]`` rollouts containing each token this rank runs (0 on
+            padding): how often the naive batch would see it (MoE router statistics).
     """
 
     positions: Optional[Tensor] = None
@@ -49,6 +51,7 @@ class BranchPackedSeqParams(PackedSeqParams):
     stem_id: Optional[int] = None
     inject: bool = False
     cp: Optional[CPLayout] = None
+    multiplicity: Optional[Tensor] = None
     _pieces: Dict[Tuple[Optional[int], Optional[int]], List[AttentionPiece]] = field(
         default_factory=dict, repr=False
     )
@@ -101,6 +104,7 @@ class BranchPackedSeqParams(PackedSeqParams):
                 local.get(id(parent), -1) if lo == seg.start else -1,
             ))
         positions = tree.positions[start:end]
+        multiplicity = tree.multiplicity[start:end]
         last = tree.last[start:end].clamp(max=end - 1) - start
         cp_size = cp_group.size() if cp_group is not None else 1
         total = max(n, cp_size * multiple)
@@ -108,6 +112,7 @@ class BranchPackedSeqParams(PackedSeqParams):
         if total > n:
             pad = total - n
             positions = torch.cat([positions, torch.arange(pad)])
+            multiplicity = torch.cat([multiplicity, multiplicity.new_zeros(pad)])
             last = torch.cat([last, torch.full((pad,), total - 1, dtype=last.dtype)])
             segments.append(BranchSegment(n, total, total, -1))
         layout = None
@@ -117,13 +122,14 @@ class BranchPackedSeqParams(PackedSeqParams):
             if cp_comm_type == "p2p":
                 layout.need = needed_shards(plan_pieces(segments), bounds)
             lo, hi = layout.local
-            positions = positions[lo:hi]
+            positions, multiplicity = positions[lo:hi], multiplicity[lo:hi]
         rope_len = int(positions.max()) + 1 if positions.numel() else 1
         if device is not None:
-            positions, last = positions.to(device), last.to(device)
+            positions, last, multiplicity = positions.to(device), last.to(device), multiplicity.to(device)
         return cls(
             qkv_format="sbhd", max_seqlen_q=rope_len, max_seqlen_kv=rope_len, cp_group=rope_group,
-            positions=positions, last=last, segments=segments, num_real=n, total=total, cp=layout, **cache,
+            positions=positions, last=last, segments=segments, num_real=n, total=total, cp=layout,
+            multiplicity=multiplicity, **cache,
         )
 
     @property

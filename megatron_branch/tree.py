@@ -272,6 +272,17 @@ class BranchTree:
         return int(self.tokens.numel())
 
     @property
+    def multiplicity(self) -> torch.Tensor:
+        """``[U]`` number of rollouts that contain each packed token (1 for an unshared
+        token, ``G`` for a prompt token shared by ``G`` rollouts): the weight a per-token
+        statistic of the naive batch gives each unique position."""
+        cached = getattr(self, "_multiplicity", None)
+        if cached is None:
+            rows = self.rows[self.rows >= 0]
+            cached = self._multiplicity = torch.bincount(rows, minlength=self.unique_positions)
+        return cached
+
+    @property
     def max_len(self) -> int:
         """Length of the longest rollout."""
         return int(self.lengths.max())
