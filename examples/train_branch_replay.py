@@ -179,7 +179,9 @@ def behaviour_logprobs(args, ddp, items, width, num_rollouts, sequences):
                          forward_step_func=make_naive_forward_step(keep, sequences, forward_only=True))
     elif args.pp == 1:
         for item in items:
-            lp = mb.replay_logprobs(ddp, item.tree, max_chunk_tokens=args.chunk_tokens)
+            mask = None if item.score_mask is None else item.score_mask[:, : item.tree.max_len - 1]
+            lp = mb.replay_logprobs(ddp, item.tree, max_chunk_tokens=args.chunk_tokens, score_mask=mask,
+                                    cp_comm_type=args.cp_comm)
             out[item.rollouts] = item.pad(lp).float().cpu()
     else:
         forward_backward([ddp], items, keep, forward_only=True, cp_comm_type=args.cp_comm)
@@ -209,14 +211,15 @@ def main(argv=None) -> int:
                                jitter=args.jitter)
     sequences = batch.sequences
     groups = list(range(len(sequences))) if args.cut_groups else batch.group
+    mask = losses.response_mask(batch.lengths, batch.prompt_lengths)
     plan = plan_data_parallel(sequences, groups, dp_size, micro_batch_tokens=args.micro_batch_tokens,
-                              streaming=args.chunk_tokens is not None, linear_weight=linear_weight(config))
+                              streaming=args.chunk_tokens is not None, linear_weight=linear_weight(config),
+                              score_mask=None if args.naive else mask)
     items = plan.ranks[dp_rank]
     width = max(len(s) for s in sequences) - 1
     group = len(sequences) // len(args.prompts)
     rewards = torch.rand(len(sequences), generator=torch.Generator().manual_seed(args.seed))
     adv = losses.grpo_advantages(rewards, group)
-    mask = losses.response_mask(batch.lengths, batch.prompt_lengths)
     if rank == 0:
         mode = "naive (stock spec, every rollout alone)" if args.naive else "branch replay"
         tree = mb.BranchTree.from_sequences(sequences)

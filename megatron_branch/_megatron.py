@@ -16,10 +16,73 @@ from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
-from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 vocab_parallel_cross_entropy = tensor_parallel.vocab_parallel_cross_entropy
+gather_from_sequence_parallel_region = tensor_parallel.gather_from_sequence_parallel_region
 reduce_from_tensor_model_parallel_region = tensor_parallel.reduce_from_tensor_model_parallel_region
+
+# --- Mixture of Experts (megatron_branch.moe) -------------------------------------------
+import inspect as _inspect  # noqa: E402
+
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules  # noqa: E402
+from megatron.core.transformer.moe.moe_utils import (  # noqa: E402
+    MoEAuxLossAutoScaler,
+    compute_routing_scores_for_aux_loss,
+)
+from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
+
+try:  # megatron-core >= 0.19: a metrics tracker object
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker as _metrics_tracker
+except ImportError:  # 0.16: a module-level dict
+    _metrics_tracker = None
+    from megatron.core.transformer.moe.moe_utils import (  # noqa: E402
+        get_moe_layer_wise_logging_tracker as _layer_wise_tracker,
+        save_to_aux_losses_tracker as _save_to_tracker,
+    )
+
+
+def _source_has(fn, text: str) -> bool:
+    try:
+        return text in _inspect.getsource(fn)
+    except (OSError, TypeError):
+        return False
+
+
+# Per-token loss (``calculate_per_token_loss``) scaling of the router losses changed after
+# 0.16: newer releases multiply by ``num_local_tokens * tp_cp_size`` (0.16: by
+# ``num_local_tokens``), and the sequence aux loss counts the micro-batch's tokens (0.16:
+# one sequence's). megatron_branch.moe reproduces whichever the installed release does.
+MOE_PER_TOKEN_SCALE_TIMES_TP_CP = _source_has(TopKRouter.apply_z_loss, "num_local_tokens * self.tp_cp_group.size()")
+MOE_SEQ_AUX_COUNTS_MICRO_BATCH = _source_has(TopKRouter._apply_seq_aux_loss, "local_num_tokens * bsz")
+# The global aux loss's logging flag: ``needs_dp_avg=False`` (newer) / ``reduce_group_has_dp=True`` (0.16).
+MOE_GLOBAL_AUX_LOG_FLAG = (
+    {"needs_dp_avg": False}
+    if "needs_dp_avg" in _inspect.signature(TopKRouter.attach_and_log_load_balancing_loss).parameters
+    else {"reduce_group_has_dp": True}
+)
+
+
+def record_moe_metric(name, value, layer_number, num_layers, reduce_group=None, avg_group=None) -> None:
+    """Add ``value`` to Megatron's per-layer MoE logging (the tracker its router writes)."""
+    if _metrics_tracker is not None:
+        _metrics_tracker().record(name, value, layer_number, num_layers, reduce_group=reduce_group,
+                                  avg_group=avg_group)
+    else:
+        _save_to_tracker(name, value, layer_number, num_layers, reduce_group=reduce_group, avg_group=avg_group)
+
+
+def moe_logged_metrics() -> dict:
+    """``name -> [num_layers]`` values Megatron's MoE logging holds now (before its reduction)."""
+    if _metrics_tracker is not None:
+        return {name: entry.values for name, entry in _metrics_tracker().metrics.items()}
+    return {name: entry["values"] for name, entry in _layer_wise_tracker().items()}
+
+
+def clear_moe_logged_metrics() -> None:
+    """Zero Megatron's per-layer MoE logging (as its training loop does after each report)."""
+    for values in moe_logged_metrics().values():
+        values.zero_()
 
 __all__ = [
     "AttnMaskType",
@@ -29,19 +92,32 @@ __all__ = [
     "MegatronOptimizer",
     "OptimizerConfig",
     "finalize_model_grads",
+    "gather_from_sequence_parallel_region",
     "get_megatron_optimizer",
     "GPTModel",
     "MegatronModule",
+    "MoEAuxLossAutoScaler",
+    "MoELayer",
+    "MoESubmodules",
+    "MOE_GLOBAL_AUX_LOG_FLAG",
+    "MOE_PER_TOKEN_SCALE_TIMES_TP_CP",
+    "MOE_SEQ_AUX_COUNTS_MICRO_BATCH",
     "ModuleSpec",
     "PackedSeqParams",
     "SelfAttention",
     "SelfAttentionSubmodules",
     "TransformerBlock",
     "TransformerBlockSubmodules",
+    "TopKRouter",
     "TransformerConfig",
+    "TransformerLayer",
     "TransformerLayerSubmodules",
+    "clear_moe_logged_metrics",
+    "compute_routing_scores_for_aux_loss",
     "get_gpt_layer_local_spec",
+    "moe_logged_metrics",
     "parallel_state",
+    "record_moe_metric",
     "reduce_from_tensor_model_parallel_region",
     "tensor_parallel",
     "vocab_parallel_cross_entropy",

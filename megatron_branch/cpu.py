@@ -29,6 +29,14 @@ Patched points (megatron-core 0.16.1, torch 2.13 CPU build):
   (Megatron's ``finalize_model_grads`` then all-reduces them over TP).
 * ``megatron.core.utils.is_te_min_version`` — raises ``TypeError`` when Transformer Engine
   is absent; made to answer ``False``.
+* ``moe_utils.te_general_gemm`` — megatron-core 0.16's MoE router gate
+  (``router_gating_linear``) tests ``te_general_gemm is not None``, but the name is only
+  defined when Transformer Engine imports: defined as ``None`` (the torch path). Without it
+  every MoE forward raises ``NameError``.
+* ``torch.cuda.Stream`` / ``torch.cuda.stream`` — the MoE all-to-all token dispatcher
+  (expert parallelism) creates a side stream for its device-to-host copies at
+  construction and enters it, records an event and synchronizes on it every forward: the
+  CPU's one implicit stream stands in (:class:`_CpuStream`; its events do nothing).
 
 Two scoped context managers add what else a caller needs: :func:`cuda_factories_on_cpu`
 (``device="cuda"`` factories and CUDA type checks in megatron-core's schedules and
@@ -99,8 +107,24 @@ def _no_sync(*args, **kwargs) -> None:
     return None
 
 
+class _CpuEvent:
+    """An event on the CPU's implicit stream: already complete."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, *args, **kwargs) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
 class _CpuStream:
     """The CPU's single implicit stream: waiting on it or recording into it is a no-op."""
+
+    def __init__(self, *args, **kwargs):
+        pass
 
     def wait_event(self, *args, **kwargs) -> None:
         return None
@@ -108,8 +132,8 @@ class _CpuStream:
     def wait_stream(self, *args, **kwargs) -> None:
         return None
 
-    def record_event(self, *args, **kwargs) -> None:
-        return None
+    def record_event(self, *args, **kwargs) -> _CpuEvent:
+        return _CpuEvent()
 
     def synchronize(self) -> None:
         return None
@@ -184,6 +208,15 @@ def enable_cpu(seed: int = 1234) -> List[str]:
     if not HAVE_TE:
         mcore_utils.is_te_min_version = lambda *a, **k: False
         _APPLIED.append("utils.is_te_min_version->False")
+
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+        _APPLIED.append("moe_utils.te_general_gemm->None")
+    torch.cuda.Stream = _CpuStream
+    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+    _APPLIED.append("torch.cuda.Stream/stream->CPU stream (MoE all-to-all dispatcher)")
     return list(_APPLIED)
 
 

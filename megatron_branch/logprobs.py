@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Tuple, Union
+from typing import Optional, Tuple, Union
 
 from torch import Tensor
 
+from megatron_branch.logits import scored_tokens
 from megatron_branch.scoring import (  # noqa: F401 - re-exported
     check_model,
     child_logprobs,
@@ -21,7 +22,8 @@ from megatron_branch.unit import forward_unit
 
 
 def rollout_logprobs(
-    model, tree: BranchTree, *, entropy: bool = False, cp_comm_type: str = "allgather"
+    model, tree: BranchTree, *, entropy: bool = False, cp_comm_type: str = "allgather",
+    score_mask: Optional[Tensor] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Differentiable per-rollout log-probs from one packed forward over ``tree``.
 
@@ -39,6 +41,10 @@ def rollout_logprobs(
         cp_comm_type: with context parallelism, ``"allgather"`` or ``"p2p"`` K/V exchange
             (see :mod:`megatron_branch.context_parallel`); every CP rank gets the full,
             differentiable result.
+        score_mask: ``[R, max_len - 1]``, nonzero where the loss reads ``lp`` (e.g. the
+            response mask). The vocabulary projection then runs only on the parents of
+            those tokens (:mod:`megatron_branch.logits`); other entries are 0. ``None``
+            scores every token.
 
     Returns:
         ``lp [R, max_len - 1]`` float32, 0 past each rollout's end; with ``entropy=True``
@@ -49,8 +55,9 @@ def rollout_logprobs(
     """
     model = single_chunk(model, "rollout_logprobs")
     check_model(model, tree)
+    scored = None if score_mask is None else scored_tokens(tree, score_mask)
     idx, lp_child, ent_child = forward_unit(
-        model, tree, 0, tree.unique_positions, cp_comm_type=cp_comm_type, entropy=entropy
+        model, tree, 0, tree.unique_positions, cp_comm_type=cp_comm_type, entropy=entropy, scored=scored
     )
     idx = idx.to(lp_child.device)
     lp = lp_child.new_zeros(tree.unique_positions).index_put((idx,), lp_child)

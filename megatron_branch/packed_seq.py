@@ -40,6 +40,8 @@ class BranchPackedSeqParams(PackedSeqParams):
         cp: the context-parallel split of the unit, or None.
         multiplicity: ``[n_local]`` rollouts containing each token this rank runs (0 on
             padding): how often the naive batch would see it (MoE router statistics).
+        tree: the packed tree the unit belongs to (MoE statistics over rollouts).
+        start: packed index of the unit's first token in ``tree``.
     """
 
     positions: Optional[Tensor] = None
@@ -52,10 +54,13 @@ class BranchPackedSeqParams(PackedSeqParams):
     inject: bool = False
     cp: Optional[CPLayout] = None
     multiplicity: Optional[Tensor] = None
+    tree: Optional[BranchTree] = field(default=None, repr=False)
+    start: int = 0
     _pieces: Dict[Tuple[Optional[int], Optional[int]], List[AttentionPiece]] = field(
         default_factory=dict, repr=False
     )
     _rope: Dict[int, object] = field(default_factory=dict, repr=False)
+    _moe: Dict[object, object] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_tree(cls, tree: BranchTree, device=None) -> "BranchPackedSeqParams":
@@ -129,7 +134,7 @@ class BranchPackedSeqParams(PackedSeqParams):
         return cls(
             qkv_format="sbhd", max_seqlen_q=rope_len, max_seqlen_kv=rope_len, cp_group=rope_group,
             positions=positions, last=last, segments=segments, num_real=n, total=total, cp=layout,
-            multiplicity=multiplicity, **cache,
+            multiplicity=multiplicity, tree=tree, start=start, **cache,
         )
 
     @property

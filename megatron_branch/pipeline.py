@@ -26,7 +26,8 @@ from megatron_branch.scoring import check_model, per_rollout, unwrap
 from megatron_branch.training.batching import TreeMicroBatch
 from megatron_branch.training.ddp import as_chunks
 from megatron_branch.tree import BranchTree
-from megatron_branch.unit import ChildIndex, prepare_unit, score_unit
+from megatron_branch.logits import output_rows, scored_tokens
+from megatron_branch.unit import ChildIndex, UnitRows, prepare_unit, score_unit
 
 LossFn = Callable[[Tensor, Tensor], Union[Tensor, Tuple[Tensor, Tensor]]]
 MicroBatch = Union[BranchTree, TreeMicroBatch]
@@ -136,12 +137,17 @@ def make_forward_step(loss_fn: LossFn, forward_only: bool = False, cp_comm_type:
         check_model(model, tree)
         n = tree.unique_positions
         params, ids = prepare_unit(model, tree, 0, n, cp_comm_type=cp_comm_type)
-        output = model(ids.unsqueeze(0), params.positions.unsqueeze(0), attention_mask=None,
-                       packed_seq_params=params)
+        children = ChildIndex(tree)
+        scored = None if item.score_mask is None else scored_tokens(tree, item.score_mask[:, : tree.max_len - 1])
+        rows = UnitRows(tree, 0, n, params, children, scored)
+        with output_rows(model, rows.rows):
+            output = model(ids.unsqueeze(0), params.positions.unsqueeze(0), attention_mask=None,
+                           packed_seq_params=params)
 
         def loss_func(output_tensor: Tensor):
-            # [1, n_local, V/tp] on the last stage
-            idx, lp_child, _ = score_unit(output_tensor[0], tree, 0, n, params, ChildIndex(tree))
+            # [1, u, V/tp] on the last stage: the scored tokens' parents
+            idx, lp_child, _ = score_unit(output_tensor[0], tree, 0, n, params, children, unit_rows=rows,
+                                          scored=scored)
             lp = lp_child.new_zeros(n).index_put((idx.to(lp_child.device),), lp_child)
             ids_r = torch.arange(tree.num_rollouts)
             out = loss_fn(item.pad(per_rollout(lp, tree)), item.rollouts[ids_r])

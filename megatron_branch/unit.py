@@ -15,6 +15,7 @@ from torch import Tensor
 
 from megatron_branch._megatron import parallel_state
 from megatron_branch.flops import ModelShape
+from megatron_branch.logits import output_rows
 from megatron_branch.context_parallel import CP_COMM_TYPES, singleton_group, sum_across
 from megatron_branch.scoring import child_logprobs, model_device, unwrap
 from megatron_branch.packed_seq import BranchPackedSeqParams
@@ -83,6 +84,29 @@ def prepare_unit(
     return params, ids.to(device)
 
 
+class UnitRows:
+    """Which tokens a unit scores on this rank and which logits rows that takes.
+
+    Attributes:
+        mine: ``[m]`` packed indices of the scored tokens whose parent this rank runs.
+        rows: ``[u]`` distinct local positions of those parents: the rows the output
+            layer must produce (a branch point's row serves all its children).
+        inverse: ``[m]`` row in ``rows`` of each scored token's parent.
+        targets: ``[m]`` token ids of the scored tokens.
+    """
+
+    def __init__(self, tree: BranchTree, start: int, end: int, params: BranchPackedSeqParams,
+                 children: ChildIndex, scored: Optional[Tensor] = None):
+        lo, hi = params.local
+        real_hi = min(hi, params.num_real)
+        mine = children(start + lo, start + real_hi) if real_hi > lo else torch.zeros(0, dtype=torch.long)
+        if scored is not None:
+            mine = mine[scored[mine]]
+        self.mine = mine
+        self.rows, self.inverse = torch.unique(tree.parents[mine] - start - lo, return_inverse=True)
+        self.targets = tree.tokens[mine]
+
+
 def score_unit(
     logits: Tensor,
     tree: BranchTree,
@@ -91,19 +115,28 @@ def score_unit(
     params: BranchPackedSeqParams,
     children: ChildIndex,
     entropy: bool = False,
+    unit_rows: Optional[UnitRows] = None,
+    scored: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """Log-probs of every token whose parent lies in ``[start, end)``, from this rank's
-    logits ``[n_local, V / tp]`` of the unit; all-reduced over CP (identity backward), so
-    every rank returns the same differentiable values."""
-    lo, hi = params.local
-    real_hi = min(hi, params.num_real)
-    mine = children(start + lo, start + real_hi) if real_hi > lo else torch.zeros(0, dtype=torch.long)
-    rows = (tree.parents[mine] - start - lo).to(logits.device)
-    lp, ent = child_logprobs(logits, rows, tree.tokens[mine].to(logits.device), entropy)
+    """Log-probs of the scored tokens whose parent lies in ``[start, end)``; all-reduced
+    over CP (identity backward), so every rank returns the same differentiable values.
+
+    Args:
+        logits: this rank's logits: ``[n_local, V / tp]`` for every position, or
+            ``[u, V / tp]`` for ``unit_rows.rows`` only (:func:`megatron_branch.logits.output_rows`).
+        unit_rows: given when ``logits`` holds only the selected rows.
+        scored: ``[U]`` bool, the tokens to score (``None``: all).
+    """
+    sel = unit_rows or UnitRows(tree, start, end, params, children, scored)
+    picked = sel.inverse if unit_rows is not None else sel.rows[sel.inverse]
+    lp, ent = child_logprobs(logits, picked.to(logits.device), sel.targets.to(logits.device), entropy)
+    mine = sel.mine
     if params.cp is None:
         return mine, lp, ent
     group = params.cp.group
     idx = children(start, end)
+    if scored is not None:
+        idx = idx[scored[idx]]
     where = torch.searchsorted(idx, mine).to(logits.device)
     full = lp.new_zeros(idx.numel()).index_put((where,), lp)
     full_ent = None if ent is None else ent.new_zeros(idx.numel()).index_put((where,), ent)
@@ -120,9 +153,13 @@ def forward_unit(
     cp_comm_type: str = "allgather",
     cp_linear_weight: Optional[float] = None,
     entropy: bool = False,
+    scored: Optional[Tensor] = None,
     **cache,
 ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """Forward ``[start, end)`` and score every token whose parent lies in it.
+    """Forward ``[start, end)`` and score the tokens whose parent lies in it.
+
+    The output layer runs only on the parents of scored tokens
+    (:func:`megatron_branch.logits.output_rows`).
 
     Args:
         model: GPTModel built with the branch spec (``post_process=True``), possibly wrapped.
@@ -132,7 +169,8 @@ def forward_unit(
         cp_comm_type: context-parallel attention communication.
         cp_linear_weight: balancing weight (default from the model config).
         entropy: also return entropies.
-        **cache: ``prefix``, ``record``, ``inject`` for streaming replay.
+        scored: ``[U]`` bool, the tokens a loss reads (``None``: every token with a parent).
+        **cache: ``cache``, ``stem_id``, ``inject`` for streaming replay.
 
     Returns:
         ``(idx [m], lp [m], ent [m] or None)``: packed indices of the scored tokens and
@@ -141,6 +179,8 @@ def forward_unit(
     children = children or ChildIndex(tree)
     params, ids = prepare_unit(model, tree, start, end, cp_comm_type=cp_comm_type,
                                cp_linear_weight=cp_linear_weight, **cache)
-    logits = model(ids.unsqueeze(0), params.positions.unsqueeze(0), attention_mask=None,
-                   packed_seq_params=params)[0]  # [n_local, V/tp]
-    return score_unit(logits, tree, start, end, params, children, entropy)
+    sel = UnitRows(tree, start, end, params, children, scored)
+    with output_rows(model, sel.rows):
+        logits = model(ids.unsqueeze(0), params.positions.unsqueeze(0), attention_mask=None,
+                       packed_seq_params=params)[0]  # [u, V/tp]
+    return score_unit(logits, tree, start, end, params, children, entropy, unit_rows=sel, scored=scored)

@@ -28,6 +28,7 @@ from typing import Callable, Dict, List, Literal, Optional, Sequence, Tuple, Uni
 import torch
 from torch import Tensor
 
+from megatron_branch.logits import scored_tokens
 from megatron_branch.memory import PeakMemory
 from megatron_branch.prefix_cache import PathCache, StemRows
 from megatron_branch.replay.plan import ReplayOp, path_capacity, plan_replay, unit_of_rollouts
@@ -92,10 +93,11 @@ def split_loss(out) -> Tuple[Tensor, Optional[Tensor]]:
 
 class _Replayer:
     def __init__(self, model, tree: BranchTree, loss_fn: LossFn, exact: bool, recompute_stem: bool,
-                 cp_comm_type: str, capacity: int):
+                 cp_comm_type: str, capacity: int, scored: Optional[Tensor] = None):
         self.model, self.tree, self.loss_fn = model, tree, loss_fn
         self.exact, self.recompute_stem = exact, recompute_stem
         self.cp_comm_type = cp_comm_type
+        self.scored = scored
         self.grad_on = torch.is_grad_enabled()
         self.device = model_device(model)
         self.stack: List[_Stem] = []
@@ -119,7 +121,7 @@ class _Replayer:
         self.forwarded += end - start
         idx, lp, _ = forward_unit(
             self.model, self.tree, start, end, self.children, cp_comm_type=self.cp_comm_type,
-            cache=self.cache, **stem,
+            scored=self.scored, cache=self.cache, **stem,
         )
         return idx, lp
 
@@ -191,6 +193,7 @@ def replay_step(
     group_ids: Optional[Sequence[int]] = None,
     measure_memory: bool = False,
     cp_comm_type: str = "allgather",
+    score_mask: Optional[Tensor] = None,
 ) -> ReplayStats:
     """One branch-replay forward/backward of ``loss_fn`` over the rollouts of ``tree``.
 
@@ -218,6 +221,9 @@ def replay_step(
         measure_memory: record ``peak_memory_bytes`` (slower on CPU).
         cp_comm_type: context-parallel K/V exchange (``"allgather"`` or ``"p2p"``); the
             stems' cached K/V stay sharded over the CP ranks.
+        score_mask: ``[R, max_len - 1]``, nonzero where ``loss_fn`` reads ``lp`` (e.g. the
+            response mask): logits are computed only for those tokens' parents, and the
+            other entries of ``lp`` are 0. ``None`` scores every token.
 
     Returns:
         :class:`ReplayStats`. Parameter ``.grad`` (``main_grad`` under Megatron DDP) hold
@@ -235,7 +241,8 @@ def replay_step(
     ops = plan_replay(tree, max_chunk_tokens, group_ids)
     owners: Dict[int, List[int]] = unit_of_rollouts(tree, ops)
     exact = prefix_grad == "exact" and torch.is_grad_enabled()
-    run = _Replayer(model, tree, loss_fn, exact, recompute_stem, cp_comm_type, path_capacity(ops))
+    scored = None if score_mask is None else scored_tokens(tree, score_mask)
+    run = _Replayer(model, tree, loss_fn, exact, recompute_stem, cp_comm_type, path_capacity(ops), scored)
     last_backward = max((i for i, op in enumerate(ops) if op.kind == "chunk" or (op.kind == "pop" and exact)),
                         default=-1)
     meter = PeakMemory(run.device) if measure_memory else contextlib.nullcontext()
@@ -263,10 +270,14 @@ def replay_step(
     )
 
 
-def replay_logprobs(model, tree: BranchTree, *, max_chunk_tokens: Optional[int] = None) -> Tensor:
+def replay_logprobs(
+    model, tree: BranchTree, *, max_chunk_tokens: Optional[int] = None, score_mask: Optional[Tensor] = None,
+    cp_comm_type: str = "allgather",
+) -> Tensor:
     """Forward-only ``[R, max_len - 1]`` log-probs with the same chunking (old/ref policy).
 
     Runs under ``torch.no_grad()``; memory is bounded like :func:`replay_step`'s.
+    ``score_mask`` as for :func:`replay_step` (0 where it is 0).
     """
     model = single_chunk(model, "replay_logprobs")
     out = torch.zeros(tree.num_rollouts, max(tree.max_len - 1, 0), dtype=torch.float32)
@@ -276,7 +287,8 @@ def replay_logprobs(model, tree: BranchTree, *, max_chunk_tokens: Optional[int] 
         return lp.new_zeros(())
 
     with torch.no_grad():
-        replay_step(model, tree, collect, max_chunk_tokens=max_chunk_tokens)
+        replay_step(model, tree, collect, max_chunk_tokens=max_chunk_tokens, score_mask=score_mask,
+                    cp_comm_type=cp_comm_type)
     return out.to(model_device(model))
 
 

@@ -31,11 +31,14 @@ class TreeMicroBatch:
         rollouts: ``[r]`` index in the global batch of each of the tree's rollouts.
         width: the global batch's ``max_len - 1``; per-rollout log-probs handed to a loss
             are padded to it, so global ``[R, width]`` tensors can be indexed by ``rollouts``.
+        score_mask: ``[r, width]``, nonzero where the loss reads log-probs (logits are then
+            computed only there); ``None`` scores every token.
     """
 
     tree: BranchTree
     rollouts: Tensor
     width: int
+    score_mask: Optional[Tensor] = None
 
     @classmethod
     def of(cls, tree: BranchTree) -> "TreeMicroBatch":
@@ -109,6 +112,7 @@ def plan_data_parallel(
     micro_batch_tokens: Optional[int] = None,
     streaming: bool = False,
     linear_weight: float = 0.0,
+    score_mask: Optional[Tensor] = None,
 ) -> DataParallelPlan:
     """Split a global batch into whole-group micro-batches for every DP rank.
 
@@ -122,6 +126,8 @@ def plan_data_parallel(
             own (streaming replay bounds its memory); otherwise it is an error.
         linear_weight: per-token linear work in attention-pair units
             (:func:`megatron_branch.unit.linear_weight`).
+        score_mask: ``[R, max_len - 1]``, nonzero where the loss reads log-probs (the
+            response mask): each micro-batch gets its rows, so logits are computed only there.
 
     Returns:
         The :class:`DataParallelPlan`.
@@ -158,13 +164,19 @@ def plan_data_parallel(
         per_rank[r].append(g)
         load[r] += g.work
     width = max(len(s) for s in sequences) - 1
+    if score_mask is not None and tuple(score_mask.shape) != (len(sequences), width):
+        raise ValueError(f"score_mask: expected shape [{len(sequences)}, {width}], got {tuple(score_mask.shape)}")
     ranks = []
     for gs in per_rank:
         gs.sort(key=lambda g: g.rollouts[0])
-        ranks.append([TreeMicroBatch(BranchTree.from_sequences([sequences[r] for r in ids]),
-                                     torch.tensor(ids, dtype=torch.long), width)
-                      for ids in _pack(gs, micro_batch_tokens)])
+        ranks.append([_micro_batch(sequences, ids, width, score_mask) for ids in _pack(gs, micro_batch_tokens)])
     return DataParallelPlan(ranks, per_rank, sum(len(s) for s in sequences))
+
+
+def _micro_batch(sequences, ids: List[int], width: int, score_mask: Optional[Tensor]) -> TreeMicroBatch:
+    rollouts = torch.tensor(ids, dtype=torch.long)
+    return TreeMicroBatch(BranchTree.from_sequences([sequences[r] for r in ids]), rollouts, width,
+                          None if score_mask is None else score_mask[rollouts])
 
 
 def _pack(groups: List[GroupWork], budget: Optional[int]) -> List[List[int]]:

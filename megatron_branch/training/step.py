@@ -170,8 +170,9 @@ def _streaming(model, items: List, loss_fn: LossFn, config, **replay) -> tuple:
 
         last = i == len(items) - 1
         ctx = contextlib.nullcontext() if last else model.no_sync()
+        mask = None if item.score_mask is None else item.score_mask[:, : max(item.tree.max_len - 1, 0)]
         with ctx:
-            stats = replay_step(model, item.tree, chunk_loss, **replay)
+            stats = replay_step(model, item.tree, chunk_loss, score_mask=mask, **replay)
         total += token_count(stats.num_tokens, cp_rank)
         loss_sum += stats.loss
     finalize = config.finalize_model_grads_func or finalize_model_grads
