@@ -27,7 +27,7 @@ from megatron_branch.training.batching import TreeMicroBatch
 from megatron_branch.training.ddp import as_chunks
 from megatron_branch.tree import BranchTree
 from megatron_branch.logits import output_rows, scored_tokens
-from megatron_branch.unit import ChildIndex, UnitRows, prepare_unit, score_unit
+from megatron_branch.unit import ChildIndex, UnitRows, prepare_unit, score_unit, unit_multiple
 
 LossFn = Callable[[Tensor, Tensor], Union[Tensor, Tuple[Tensor, Tensor]]]
 MicroBatch = Union[BranchTree, TreeMicroBatch]
@@ -43,8 +43,7 @@ def as_micro_batch(item: MicroBatch) -> TreeMicroBatch:
 
 def padded_length(tree: BranchTree, model) -> int:
     """The packed length the schedules see for ``tree`` (SP padding included)."""
-    config = unwrap(model).config
-    multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    multiple = unit_multiple(unwrap(model).config)
     return -(-tree.unique_positions // multiple) * multiple
 
 

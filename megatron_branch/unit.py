@@ -30,6 +30,21 @@ def _cp_group():
     return parallel_state.get_context_parallel_group()
 
 
+FP8_TOKEN_MULTIPLE = 16  # Transformer Engine's FP8 GEMMs need token counts divisible by 16
+
+
+def unit_multiple(config) -> int:
+    """Every packed unit (and every CP shard of it) is padded to a multiple of this.
+
+    Sequence parallelism splits each rank's tokens over the TP ranks; FP8 GEMMs in
+    Transformer Engine need each GEMM's token count divisible by 16 — per TP rank under
+    sequence parallelism. The padding is a chain of its own that no real token sees and
+    that is never scored.
+    """
+    tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    return tp * FP8_TOKEN_MULTIPLE if getattr(config, "fp8", None) else tp
+
+
 def linear_weight(config) -> float:
     """Per-token linear work of a layer in units of one attention (query, key) pair."""
     shape = ModelShape.from_config(config, 0)
@@ -69,7 +84,7 @@ def prepare_unit(
         raise ValueError(f"cp_comm_type: {cp_comm_type!r} is not one of {CP_COMM_TYPES}")
     device = model_device(model)
     config = unwrap(model).config
-    multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    multiple = unit_multiple(config)
     cp_group = _cp_group()
     if cp_group is not None and cp_linear_weight is None:
         cp_linear_weight = linear_weight(config)

@@ -162,3 +162,51 @@ def test_pieces_cover_every_visible_pair_once():
             block = torch.ones(p.q_hi - p.q_lo, p.k_hi - p.k_lo, dtype=torch.long)
             cover[p.q_lo : p.q_hi, p.k_lo : p.k_hi] += block.tril() if p.causal else block
         assert torch.equal(cover, tree.visibility_mask().long())
+
+
+def test_math_kernel_tiles_by_default_and_stays_exact(monkeypatch):
+    """The GPU fallback kernel materialises float32 scores; without a chunk size its pieces
+    are tiled to MATH_TILE x MATH_TILE, so no score block grows with the stem."""
+    import megatron_branch as mb
+    from megatron_branch.attention import core_attention
+
+    from conftest import make_pair
+
+    tree = _prompt_tails_tree(prompt=700, tails=3, tail_len=20)
+    branch, _ = make_pair(kernel="math")
+    flash, _ = make_pair(kernel="flash_cpu")
+    heads = branch.config.num_attention_heads
+    largest = {}
+    for tile in (4096, 128):
+        monkeypatch.setattr(core_attention, "MATH_TILE", tile)
+        with torch.no_grad(), _LargestTensor() as probe:
+            lp = mb.rollout_logprobs(branch, tree)
+        largest[tile] = probe.largest
+        with torch.no_grad():
+            assert (lp - mb.rollout_logprobs(flash, tree)).abs().max() < 1e-5
+    assert largest[4096] >= heads * 700 * 700  # untiled: the stem's whole score square
+    assert largest[128] < heads * 700 * 700 // 4, largest
+
+
+def test_fp8_pads_units_and_cp_shards_to_16_invisibly():
+    import megatron_branch as mb
+    from megatron_branch.models import llama_config
+    from megatron_branch.packed_seq import BranchPackedSeqParams
+    from megatron_branch.unit import unit_multiple
+
+    from conftest import make_pair
+
+    assert unit_multiple(llama_config(fp8="hybrid")) == 16
+    assert unit_multiple(llama_config(fp8="hybrid", tensor_model_parallel_size=2, sequence_parallel=True)) == 32
+    assert unit_multiple(llama_config()) == 1
+    tree = _prompt_tails_tree(prompt=37, tails=3, tail_len=5)  # 52 tokens
+    params = BranchPackedSeqParams.for_unit(tree, 0, tree.unique_positions, multiple=16)
+    assert params.total == 64 and params.num_real == 52
+    # a local-spec model with fp8 set in its config (no TE here: plain GEMMs) pads to 16
+    fp8, _ = make_pair(fp8="hybrid")
+    plain, _ = make_pair()
+    seen = []
+    fp8.embedding.register_forward_hook(lambda m, a, out: seen.append(out.shape[0]))
+    with torch.no_grad():
+        assert torch.equal(mb.rollout_logprobs(fp8, tree), mb.rollout_logprobs(plain, tree))
+    assert seen == [64]

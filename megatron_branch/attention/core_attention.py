@@ -23,6 +23,10 @@ from megatron_branch.attention.plain import masked_attention, thd_attention, unm
 from megatron_branch.packed_seq import BranchPackedSeqParams
 from megatron_branch.prefix_cache import inject
 
+# The math kernel materialises a [heads, q, k] float32 score block per piece; without a
+# chunk_size its pieces are tiled to this many queries and keys (8 MiB per head).
+MATH_TILE = 1024
+
 Backend = Literal["cascade", "dense", "repeat_kv"]
 BACKENDS = ("cascade", "dense", "repeat_kv")
 
@@ -50,7 +54,8 @@ class BranchCoreAttention(MegatronModule):
         layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale,
             cp_comm_type, pg_collection: as for Megatron's ``DotProductAttention``.
         backend: ``"cascade"`` or ``"dense"``.
-        chunk_size: most queries per cascade piece (``None``: whole segments).
+        chunk_size: most queries per cascade piece (``None``: whole segments; the ``math``
+            kernel then tiles queries and keys to :data:`MATH_TILE`).
         kernel: cascade piece kernel (``"flash_cpu"`` or ``"math"``; default by device).
     """
 
@@ -152,14 +157,22 @@ class BranchCoreAttention(MegatronModule):
             out = dense_tree_attention(q, k, v, params.last, self.softmax_scale, prefix=prefix)
         else:
             kernel = self.kernel or default_kernel(q.device)
-            k_block = self.chunk_size if kernel == "math" else None
-            pieces = params.pieces(self.chunk_size, k_block)
+            q_block, k_block = self._blocks(kernel)
+            pieces = params.pieces(q_block, k_block)
             out = cascade_attention(
                 q, k, v, pieces, self.softmax_scale, kernel, prefix=prefix,
-                q_block=self.chunk_size, k_block=k_block, prefix_cp=params.cp,
+                q_block=q_block, k_block=k_block, prefix_cp=params.cp,
             )
         # [s, h, d] -> [s, 1, h * d]
         return out.reshape(s, 1, -1)
+
+    def _blocks(self, kernel: str):
+        """(queries, keys) per piece: ``chunk_size`` for both on kernels that materialise
+        scores (``math``, bounded by :data:`MATH_TILE` by default), queries only otherwise."""
+        if kernel == "math":
+            tile = self.chunk_size or MATH_TILE
+            return tile, tile
+        return self.chunk_size, None
 
     def _plain(self, query, key, value, attention_mask, attn_mask_type, packed_seq_params) -> Tensor:
         if self.config.context_parallel_size > 1:
@@ -174,9 +187,9 @@ class BranchCoreAttention(MegatronModule):
             if attention_mask is not None:
                 raise ValueError("attention_mask: THD packing takes no mask (cu_seqlens defines the sequences)")
             kernel = self.kernel or default_kernel(query.device)
-            k_block = self.chunk_size if kernel == "math" else None
+            q_block, k_block = self._blocks(kernel)
             return thd_attention(query, key, value, packed_seq_params, mask_type, self.softmax_scale, kernel,
-                                 self.chunk_size, k_block)
+                                 q_block, k_block)
         if fmt not in (None, "sbhd"):
             raise ValueError(f"packed_seq_params.qkv_format: {fmt!r} is not supported (use 'sbhd' or 'thd')")
         if attention_mask is not None:
