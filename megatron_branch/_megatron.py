@@ -55,6 +55,8 @@ def _source_has(fn, text: str) -> bool:
 # one sequence's). megatron_branch.moe reproduces whichever the installed release does.
 MOE_PER_TOKEN_SCALE_TIMES_TP_CP = _source_has(TopKRouter.apply_z_loss, "num_local_tokens * self.tp_cp_group.size()")
 MOE_SEQ_AUX_COUNTS_MICRO_BATCH = _source_has(TopKRouter._apply_seq_aux_loss, "local_num_tokens * bsz")
+# Newer releases log the z-loss averaged over TP x DP x CP (0.16: per rank).
+MOE_Z_LOSS_LOG_AVG = _source_has(TopKRouter.apply_z_loss, "avg_group=self.tp_dp_cp_group")
 # The global aux loss's logging flag: ``needs_dp_avg=False`` (newer) / ``reduce_group_has_dp=True`` (0.16).
 MOE_GLOBAL_AUX_LOG_FLAG = (
     {"needs_dp_avg": False}
@@ -102,6 +104,7 @@ __all__ = [
     "MOE_GLOBAL_AUX_LOG_FLAG",
     "MOE_PER_TOKEN_SCALE_TIMES_TP_CP",
     "MOE_SEQ_AUX_COUNTS_MICRO_BATCH",
+    "MOE_Z_LOSS_LOG_AVG",
     "ModuleSpec",
     "PackedSeqParams",
     "SelfAttention",

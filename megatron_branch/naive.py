@@ -44,24 +44,26 @@ def naive_rollout_logprobs(model, sequences: Sequence) -> Tensor:
     return torch.stack(rows)
 
 
-def batched_rollout_logprobs(model, sequences: Sequence) -> Tensor:
+def batched_rollout_logprobs(model, sequences: Sequence, multiple: int = 1) -> Tensor:
     """``[R, max_len - 1]`` log-probs from one right-padded batch (causal attention).
 
     Padding sits after each rollout's end, so with causal attention it never influences
-    a real token; its log-probs are zeroed.
+    a real token; its log-probs are zeroed. ``multiple`` pads the batch width further
+    (Transformer Engine's FP8 GEMMs need token counts divisible by 16).
     """
     seqs = _as_list(sequences)
     device = next(model.parameters()).device
     lengths = torch.tensor([s.numel() for s in seqs], device=device)
-    width = int(lengths.max())
+    max_len = int(lengths.max())
+    width = -(-max_len // multiple) * multiple
     ids = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
     for i, s in enumerate(seqs):
         ids[i, : s.numel()] = s.to(device)
     pos = torch.arange(width, device=device).unsqueeze(0).expand(len(seqs), -1)
     mask = torch.ones(width, width, dtype=torch.bool, device=device).triu(1)[None, None]
     logits = model(ids, pos, attention_mask=mask)
-    lp = _token_logprobs(logits[:, :-1], ids[:, 1:])
-    valid = torch.arange(1, width, device=device)[None, :] < lengths[:, None]
+    lp = _token_logprobs(logits[:, : max_len - 1], ids[:, 1:max_len])
+    valid = torch.arange(1, max_len, device=device)[None, :] < lengths[:, None]
     return torch.where(valid, lp, torch.zeros((), device=device))
 
 

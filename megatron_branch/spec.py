@@ -42,7 +42,10 @@ def get_branch_layer_spec(
             names parameters differently (e.g. ``linear_qkv.layer_norm_weight``).
         **local_spec_kwargs: forwarded to Megatron's ``get_gpt_layer_local_spec`` (or the TE
             spec function: ``normalization`` is then taken from the config)
-            (``normalization``, ``qk_layernorm``, ``num_experts``, ...).
+            (``normalization``, ``qk_layernorm``, ``num_experts``, ``moe_grouped_gemm``, ...).
+            With ``num_experts`` the MoE layers keep the naive batch's router statistics
+            (:func:`megatron_branch.moe.apply_branch_moe`); ``moe_token_dropping``
+            (``"refuse"`` or ``"approximate"``) is passed to it.
 
     Returns:
         The layer spec, for ``GPTModel(transformer_layer_spec=...)``.
@@ -54,6 +57,7 @@ def get_branch_layer_spec(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
+    moe_token_dropping = local_spec_kwargs.pop("moe_token_dropping", "refuse")
     if local_spec_kwargs.get("multi_latent_attention"):
         raise ValueError("multi_latent_attention: MLA is not supported by the branch spec")
     if use_te is None:
@@ -70,7 +74,12 @@ def get_branch_layer_spec(
         base = get_gpt_layer_with_transformer_engine_spec(**local_spec_kwargs)
     else:
         base = get_gpt_layer_local_spec(**local_spec_kwargs)
-    return apply_branch_attention(base, backend=backend, chunk_size=chunk_size, kernel=kernel)
+    spec = apply_branch_attention(base, backend=backend, chunk_size=chunk_size, kernel=kernel)
+    if local_spec_kwargs.get("num_experts"):
+        from megatron_branch.moe import apply_branch_moe
+
+        spec = apply_branch_moe(spec, token_dropping=moe_token_dropping)
+    return spec
 
 
 def apply_branch_attention(
