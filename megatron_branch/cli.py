@@ -15,6 +15,7 @@ warnings.filterwarnings("ignore", module="megatron.core.transformer.transformer_
 from megatron_branch import demo  # noqa: E402
 from megatron_branch.bench import cp as bench_cp  # noqa: E402
 from megatron_branch.bench import run as bench_run  # noqa: E402
+from megatron_branch.bench import scale as bench_scale  # noqa: E402
 from megatron_branch.planner import plan as planner  # noqa: E402
 
 # (name, module with add_arguments/main and a docstring, one-line help)
@@ -22,6 +23,7 @@ COMMANDS = (
     ("demo", demo, "naive vs branch replay on a small Llama-style model (timing and exactness)"),
     ("bench", bench_run, "branch replay vs naive and peer methods: time, FLOPs, memory, exactness"),
     ("bench-cp", bench_cp, "context-parallel replay on CPU processes: balance, time, bytes sent"),
+    ("bench-scale", bench_scale, "the headline workload scaled down: measured per-rank memory vs the planner"),
     ("plan", planner, "choose TP/CP/PP, chunk, recompute and FP8 for a workload on a cluster"),
 )
 

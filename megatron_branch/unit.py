@@ -47,8 +47,24 @@ def unit_multiple(config) -> int:
 
 def linear_weight(config) -> float:
     """Per-token linear work of a layer in units of one attention (query, key) pair."""
-    shape = ModelShape.from_config(config, 0)
-    return 2.0 * shape.linear_params_per_layer() / (4.0 * config.kv_channels * config.num_attention_heads)
+    return shape_linear_weight(ModelShape.from_config(config, 0))
+
+
+def shape_linear_weight(shape: ModelShape) -> float:
+    """:func:`linear_weight` of a :class:`~megatron_branch.flops.ModelShape` (the CP balance)."""
+    return 2.0 * shape.linear_params_per_layer() / (4.0 * shape.head_dim * shape.num_attention_heads)
+
+
+def local_unit_rows(model, tree: BranchTree, start: int, end: int) -> int:
+    """This rank's real tokens of the unit ``[start, end)``: its context-parallel share."""
+    cp_group = _cp_group()
+    if cp_group is None:
+        return end - start
+    config = unwrap(model).config
+    params = BranchPackedSeqParams.for_unit(tree, start, end, multiple=unit_multiple(config), cp_group=cp_group,
+                                            cp_linear_weight=linear_weight(config))
+    lo, hi = params.local
+    return max(0, min(hi, params.num_real) - lo)
 
 
 class ChildIndex:

@@ -25,13 +25,19 @@ def test_params_memory_and_flops_by_hand():
     # per layer: q 8*8, k/v 2*8*4, o 8*8, mlp 3*8*16, norms 16 -> 64+64+64+384+16 = 592
     assert TINY.params_per_layer() == 592
     assert TINY.num_params() == 2 * 592 + 2 * 10 * 8 + 8
-    lay = Layout(tp=1, cp=1, pp=1, dp=1, chunk_tokens=100, recompute="none", fp8=False)
+    lay = Layout(tp=1, cp=1, pp=1, dp=1, chunk_tokens=40, recompute="none", fp8=False)
     mem = memory_per_gpu(TINY, Workload(50, 2, 5), lay, act_bytes=2)
     stage = 2 * 592 + 80
     assert mem["weights"] == stage * 2 and mem["grads"] == stage * 4 and mem["optimizer"] == stage * 12
-    assert mem["stem_kv_cache"] == 4 * 50 * 2 * 2 * 4 * 2  # x4, tokens, layers, k+v, kv_dim, bytes
-    assert mem["chunk_activations"] == 100 * 2 * (14 * 8 + 4 * 4 + 4 * 16) * 2
-    assert mem["logits"] == 100 * 10 * 12
+    # the 50-token prompt is cached (it does not fit the 40-token chunk with its answers):
+    # tokens x layers x (K, V) x kv_dim x (2 B values + 4 B float32 gradient accumulators)
+    assert mem["stem_kv_cache"] == 50 * 2 * 2 * 4 * (2 + 4)
+    per_token_layer = 10.2 * 8 + 3.1 * 4 + 5.1 * 16  # saved activation elements (fitted)
+    assert mem["unit_activations"] == pytest.approx(40 * (2 * per_token_layer + 2.0 * 8) * 2)
+    logits = 40 * 3.0 * 10 * 4
+    attention = 4 * (12.5 * 40 * 8 + 4.5 * 40 * 8 + 6.0 * 50 * 4)
+    assert mem["logits_or_attention"] == pytest.approx(max(logits, attention))
+    assert mem["logprob_leaves"] == (50 + 10) * 8
     fl = step_flops(TINY, positions=3, pairs=6)
     assert fl["linear"] == 6 * 3 * (2 * (592 - 16) + 80)
     assert fl["attention"] == 12 * 6 * 4 * 2 * 2

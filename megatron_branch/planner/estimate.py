@@ -5,13 +5,12 @@ Memory per GPU (bytes):
 * weights 2 B/param (bf16), main gradients 4 B/param (fp32), optimizer 12 B/param (fp32
   master + Adam moments) sharded over DP x CP (distributed optimizer); parameters split
   over TP x PP; FP8 adds 1 B/param of cached FP8 weights;
-* stem K/V cache: ``stem_tokens x layers/PP x 2 x kv_heads/TP x head_dim x 2 B / CP``,
-  times 4 — values, their gradient accumulators and the backward's working copies
-  (measured factor, see :func:`validate_on_cpu`);
-* chunk working set: ``chunk/CP x layers/PP x ACT_ELEMS x 2 B / TP`` with
-  ``ACT_ELEMS = 14 h + 4 kv_dim + 4 ffn`` saved elements per token per layer (fitted to
-  measured peaks of Megatron's local layers; full recompute keeps ``h`` per layer plus one
-  layer's set), and fp32 logits ``chunk/CP x vocab/TP x 12 B`` (logits, softmax, grad).
+* what streaming exact replay keeps (:mod:`megatron_branch.planner.memory`, which counts
+  what the implementation allocates and is checked rank by rank by
+  ``megatron-branch bench-scale``): the path cache (this rank's share of the prompt's
+  K/V plus float32 gradient accumulators), one unit's saved activations and gathered
+  K/V, the larger of its logits and its attention backward's workspace, and the stems'
+  log-prob leaves.
 
 Time = FLOPs / (GPUs x peak x MFU), linear GEMMs at the FP8 peak when FP8 is on,
 attention at the bf16 peak; recompute adds the recomputed forwards. PP with a single
@@ -75,31 +74,22 @@ class Layout:
     fp8: bool
 
 
-def act_elems_per_token_layer(model: ModelSpec) -> int:
-    """Saved activation elements per token per layer (fitted; see module docstring)."""
-    return 14 * model.hidden_size + 4 * model.num_kv_heads * model.kv_channels + 4 * model.ffn_hidden_size
-
-
 def memory_per_gpu(model: ModelSpec, work: Workload, lay: Layout, act_bytes: int = 2) -> Dict[str, float]:
-    """Bytes per GPU by component (the largest pipeline stage)."""
+    """Bytes per GPU by component (the largest pipeline stage): parameters, gradients and
+    optimizer state, plus what the replay keeps
+    (:func:`megatron_branch.planner.memory.workload_memory`)."""
+    from megatron_branch.planner.memory import workload_memory
+
     layers = -(-model.num_layers // lay.pp)
     stage_params = (layers * model.params_per_layer() + model.vocab_size * model.hidden_size) / lay.tp
-    kv_dim_local = max(model.num_kv_heads // lay.tp, 1) * model.kv_channels
-    cache = 4 * work.stem_tokens * layers * 2 * kv_dim_local * act_bytes / lay.cp
-    tokens = lay.chunk_tokens / lay.cp
-    per_layer = act_elems_per_token_layer(model) * act_bytes / lay.tp
-    if lay.recompute == "full":
-        acts = tokens * (layers * model.hidden_size * act_bytes / lay.tp + per_layer)
-    else:
-        acts = tokens * layers * per_layer
-    logits = tokens * model.vocab_size / lay.tp * 12
+    replay = workload_memory(model, work.prompt_len, work.rollouts, work.response_len,
+                             chunk_tokens=lay.chunk_tokens, tp=lay.tp, cp=lay.cp, pp=lay.pp,
+                             recompute=lay.recompute, act_bytes=act_bytes)
     return {
         "weights": stage_params * (2 + (1 if lay.fp8 else 0)),
         "grads": stage_params * 4,
         "optimizer": stage_params * 12 / (lay.dp * lay.cp),
-        "stem_kv_cache": cache,
-        "chunk_activations": acts,
-        "logits": logits,
+        **replay,
     }
 
 

@@ -1,9 +1,10 @@
-"""Check the planner's activation model against measured peaks of real CPU runs.
+"""Check the planner's memory model against measured peaks of real CPU runs.
 
 Small Llama-style models (fp32, Megatron's local layers, this package's replay) run one
 replay step with :class:`megatron_branch.memory.PeakMemory`; gradients are allocated
-beforehand, so the peak is activations, the stem K/V cache and logits — what
-:func:`megatron_branch.planner.estimate.memory_per_gpu` models (with 4-byte activations).
+beforehand, so the peak is what :func:`megatron_branch.planner.memory.replay_peak_bytes`
+models (with 4-byte activations). These single-process cases are the ones the constants
+were fitted on; ``megatron-branch bench-scale`` checks context-parallel runs they were not.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def validate_on_cpu(cases=CASES) -> List[Dict]:
     from megatron_branch import losses
     from megatron_branch.distributed import init_distributed
     from megatron_branch.models import build_gpt, llama_config
-    from megatron_branch.planner.estimate import Layout, Workload, memory_per_gpu
+    from megatron_branch.planner.memory import replay_peak_bytes
     from megatron_branch.planner.presets import ModelSpec
     from megatron_branch.synthetic import branching_rollouts
 
@@ -51,12 +52,7 @@ def validate_on_cpu(cases=CASES) -> List[Dict]:
         stats = mb.replay_step(model, tree, loss_fn, max_chunk_tokens=chunk, recompute_stem=chunk is not None,
                                measure_memory=True)
         spec = ModelSpec("cpu", layers, h, heads, kv, ffn, vocab)
-        work = Workload(prompt, g, resp)
-        lay = Layout(1, 1, 1, 1, chunk or tree.unique_positions, "none", False)
-        mem = memory_per_gpu(spec, work, lay, act_bytes=4)
-        if chunk is None:
-            mem["stem_kv_cache"] = 0.0
-        predicted = mem["stem_kv_cache"] + mem["chunk_activations"] + mem["logits"]
+        predicted = replay_peak_bytes(spec, tree, chunk_tokens=chunk, act_bytes=4)[0]
         rows.append({"case": f"{layers}L h{h} kv{kv} ffn{ffn} V{vocab}; {prompt}+{g}x{resp}; "
                              f"{'one pass' if chunk is None else f'chunk {chunk}'}",
                      "measured_bytes": stats.peak_memory_bytes, "predicted_bytes": predicted,
@@ -65,7 +61,7 @@ def validate_on_cpu(cases=CASES) -> List[Dict]:
 
 
 def format_validation(rows: List[Dict]) -> str:
-    lines = ["memory model vs measured peak of CPU replay steps (fp32; activations + K/V cache + logits):"]
+    lines = ["memory model vs measured peak of CPU replay steps (fp32; what the replay allocates):"]
     for r in rows:
         lines.append(f"  {r['case']:<52s} measured {r['measured_bytes'] / 2**20:7.1f} MiB  "
                      f"model {r['predicted_bytes'] / 2**20:7.1f} MiB  ({100 * r['error']:+.0f}%)")

@@ -14,7 +14,7 @@ cut into consecutive stem units.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -159,12 +159,18 @@ def plan_replay(
     return ops
 
 
-def path_capacity(ops: Sequence[ReplayOp]) -> int:
-    """Most stem tokens on the stack at once: the rows a path cache needs."""
+def path_capacity(ops: Sequence[ReplayOp], rows_of: Optional[Callable[[ReplayOp], int]] = None) -> int:
+    """Most stem rows on the stack at once: the rows a path cache needs.
+
+    Args:
+        ops: the plan.
+        rows_of: rows a stem unit adds on this rank (default its tokens; under context
+            parallelism its CP share).
+    """
     depth, stack, most = 0, [], 0
     for op in ops:
         if op.kind == "stem":
-            stack.append(op.end - op.start)
+            stack.append(rows_of(op) if rows_of is not None else op.end - op.start)
             depth += stack[-1]
             most = max(most, depth)
         elif op.kind == "pop":

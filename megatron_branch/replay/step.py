@@ -35,7 +35,7 @@ from megatron_branch.replay.plan import ReplayOp, path_capacity, plan_replay, un
 from megatron_branch.scoring import check_model, model_device
 from megatron_branch.training.ddp import GradSync, as_chunks, param_grad, single_chunk
 from megatron_branch.tree import BranchTree
-from megatron_branch.unit import ChildIndex, forward_unit
+from megatron_branch.unit import ChildIndex, forward_unit, local_unit_rows
 
 LossFn = Callable[[Tensor, Tensor], Union[Tensor, Tuple[Tensor, Tensor]]]
 PrefixGrad = Literal["exact", "detached"]
@@ -242,7 +242,9 @@ def replay_step(
     owners: Dict[int, List[int]] = unit_of_rollouts(tree, ops)
     exact = prefix_grad == "exact" and torch.is_grad_enabled()
     scored = None if score_mask is None else scored_tokens(tree, score_mask)
-    run = _Replayer(model, tree, loss_fn, exact, recompute_stem, cp_comm_type, path_capacity(ops), scored)
+    # each CP rank caches only its share of every stem
+    capacity = path_capacity(ops, lambda op: local_unit_rows(model, tree, op.start, op.end))
+    run = _Replayer(model, tree, loss_fn, exact, recompute_stem, cp_comm_type, capacity, scored)
     last_backward = max((i for i, op in enumerate(ops) if op.kind == "chunk" or (op.kind == "pop" and exact)),
                         default=-1)
     meter = PeakMemory(run.device) if measure_memory else contextlib.nullcontext()
