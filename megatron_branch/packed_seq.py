@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from megatron_branch._megatron import PackedSeqParams
-from megatron_branch.attention.pieces import AttentionPiece, plan_pieces
+from megatron_branch.attention.pieces import AttentionPiece, PieceBatch, plan_batches, plan_pieces
 from megatron_branch.context_parallel import CPLayout, clip_pieces, needed_shards, shard_bounds
 from megatron_branch.tree import BranchSegment, BranchTree
 
@@ -150,4 +150,13 @@ class BranchPackedSeqParams(PackedSeqParams):
             if self.cp is not None:
                 pieces = clip_pieces(pieces, *self.cp.local)
             self._pieces[key] = pieces
+        return self._pieces[key]
+
+    def batches(self, q_block: Optional[int], k_block: Optional[int]) -> List[PieceBatch]:
+        """The pieces grouped into batched kernel calls, planned once per forward (with
+        ``k_block``, score-materialising kernels: a call holds at most one tile of scores)."""
+        key = ("batches", q_block, k_block)
+        if key not in self._pieces:
+            max_scores = q_block * k_block if q_block and k_block else None
+            self._pieces[key] = plan_batches(self.pieces(q_block, k_block), max_scores)
         return self._pieces[key]

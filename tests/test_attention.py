@@ -210,3 +210,35 @@ def test_fp8_pads_units_and_cp_shards_to_16_invisibly():
     with torch.no_grad():
         assert torch.equal(mb.rollout_logprobs(fp8, tree), mb.rollout_logprobs(plain, tree))
     assert seen == [64]
+
+
+def test_batches_cover_every_visible_pair_once_and_few_calls_suffice():
+    """Pieces of equal (bucketed) shape share one kernel call; padded rows see nothing real."""
+    from megatron_branch.attention.pieces import bucket, plan_batches
+    from megatron_branch.synthetic import branching_rollouts
+
+    assert [bucket(n) for n in (1, 16, 17, 31, 100, 1000)] == [1, 16, 18, 32, 104, 1024]
+    forest = branching_rollouts([40, 33, 51], [3, 3, 3], [5, 4, 6], 100, seed=0, jitter=2)
+    tree = BranchTree.from_sequences(forest.sequences)
+    U = tree.unique_positions
+    pieces = plan_pieces(tree.segments)
+    batches = plan_batches(pieces)
+    assert len(pieces) > 100 and len(batches) < len(pieces) / 4
+    cover = torch.zeros(U, U, dtype=torch.long)
+    for b in batches:
+        for qi, ki, valid in zip(b.q_index, b.k_index, b.valid):
+            block = torch.ones(len(qi), len(ki), dtype=torch.long)
+            if b.causal:
+                block = block.tril()
+            block = block * valid[:, None]  # padded query rows are dropped
+            if b.causal:  # padded keys come after every real query of the square
+                block = block * (torch.arange(len(ki))[None, :] < valid.sum())
+            cover.index_put_((qi[:, None].expand_as(block), ki[None, :].expand_as(block)), block, accumulate=True)
+    assert torch.equal(cover, tree.visibility_mask().long())
+    q, k, v = _qkv(U, 4, 2, 16)
+    ref = dense_tree_attention(q, k, v, tree.last, 0.25)
+    out = cascade_attention(q, k, v, batches, 0.25)
+    g = torch.randn_like(ref)
+    assert (out - ref).abs().max() < 1e-5
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+        assert (a - b).abs().max() < 1e-5

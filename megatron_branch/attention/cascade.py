@@ -16,22 +16,28 @@ materialise scores), which bounds the working memory; no ``U x U`` tensor is bui
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from megatron_branch.attention.kernels import KERNELS
-from megatron_branch.attention.pieces import AttentionPiece, plan_pieces, tile_rect  # noqa: F401 - re-exported
-from megatron_branch.attention.prefix import merge, prefix_backward, prefix_forward
+from megatron_branch.attention.pieces import (  # noqa: F401 - re-exported
+    AttentionPiece,
+    PieceBatch,
+    plan_batches,
+    plan_pieces,
+    tile_rect,
+)
+from megatron_branch.attention.prefix import merge, merge_rows, prefix_backward, prefix_forward
 
 
 class CascadeAttentionFunction(torch.autograd.Function):
     """Autograd function of :func:`cascade_attention` (saves q, k, v, the path K/V, merged
-    out and lse)."""
+    out and lse). Pieces run in batches of equal shape (:func:`plan_batches`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, pieces, scale, kernel, blocks, prefix_cp, *prefix):
+    def forward(ctx, q, k, v, batches, scale, kernel, blocks, prefix_cp, *prefix):
         fwd, _ = KERNELS[kernel]
         rep = q.shape[1] // k.shape[1]
         # GQA: repeat the (local, short) K/V heads so every piece is a plain attention.
@@ -40,15 +46,10 @@ class CascadeAttentionFunction(torch.autograd.Function):
         n, h, d = q.shape
         out = torch.zeros(n, h, v.shape[-1], dtype=torch.float32, device=q.device)
         lse = torch.full((h, n), float("-inf"), dtype=torch.float32, device=q.device)
-        fresh = torch.ones(n, dtype=torch.bool)  # queries no piece has written yet
-        for p in pieces:
-            o, l = fwd(q[p.q_lo:p.q_hi], ke[p.k_lo:p.k_hi], ve[p.k_lo:p.k_hi], p.causal, scale)
-            if bool(fresh[p.q_lo:p.q_hi].all()):  # first piece of these queries: no merge
-                out[p.q_lo:p.q_hi] = o
-                lse[:, p.q_lo:p.q_hi] = l
-                fresh[p.q_lo:p.q_hi] = False
-            else:
-                merge(out, lse, p.q_lo, p.q_hi, o, l)
+        for b in batches:
+            qb, kb, vb = _gather(q, b.q_index), _gather(ke, b.k_index), _gather(ve, b.k_index)
+            o, l = fwd(qb, kb, vb, b.causal, scale)  # [B, nq, h, d], [B, h, nq]
+            merge_rows(out, lse, b.rows.to(q.device), o[b.valid], l.transpose(1, 2)[b.valid])
         q_block, k_block = blocks
         if prefix:
             o, l = prefix_forward(q, prefix[0], prefix[1], scale, fwd, q_block, k_block, prefix_cp)
@@ -58,7 +59,7 @@ class CascadeAttentionFunction(torch.autograd.Function):
         # The path K/V are rows of the prefix cache, which later stems write beyond them;
         # held by reference (the rows this graph reads never change while it lives).
         ctx.prefix = prefix
-        ctx.pieces, ctx.scale, ctx.kernel, ctx.rep, ctx.blocks = pieces, scale, kernel, rep, blocks
+        ctx.batches, ctx.scale, ctx.kernel, ctx.rep, ctx.blocks = batches, scale, kernel, rep, blocks
         ctx.prefix_cp = prefix_cp
         return out
 
@@ -74,12 +75,18 @@ class CascadeAttentionFunction(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk = torch.zeros(ke.shape, dtype=torch.float32, device=q.device)
         dv = torch.zeros(ve.shape, dtype=torch.float32, device=q.device)
-        for p in ctx.pieces:
-            qs, ks = slice(p.q_lo, p.q_hi), slice(p.k_lo, p.k_hi)
-            gq, gk, gv = bwd(dout[qs], q[qs], ke[ks], ve[ks], out[qs], lse[:, qs], p.causal, ctx.scale)
-            dq[qs] += gq
-            dk[ks] += gk
-            dv[ks] += gv
+        lse_rows = lse.transpose(0, 1)  # [n, h]
+        for b in ctx.batches:
+            valid = b.valid.to(q.device)
+            # padded queries: no output gradient and an infinite lse, so they move nothing
+            do = _gather(dout, b.q_index) * valid[..., None, None]
+            lb = torch.where(valid[..., None], _gather(lse_rows, b.q_index), float("inf")).transpose(1, 2)
+            gq, gk, gv = bwd(do, _gather(q, b.q_index), _gather(ke, b.k_index), _gather(ve, b.k_index),
+                             _gather(out, b.q_index), lb.contiguous(), b.causal, ctx.scale)
+            dq.index_add_(0, b.rows.to(q.device), gq[valid].float())
+            k_rows = b.k_index.reshape(-1).to(q.device)
+            dk.index_add_(0, k_rows, gk.reshape(-1, *gk.shape[2:]).float())
+            dv.index_add_(0, k_rows, gv.reshape(-1, *gv.shape[2:]).float())
         if rep > 1:
             # [n, h, d] -> [n, hk, rep, d] -> sum over the repeated heads
             dk = dk.view(dk.shape[0], -1, rep, dk.shape[-1]).sum(2)
@@ -94,11 +101,16 @@ class CascadeAttentionFunction(torch.autograd.Function):
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, *prefix_grads)
 
 
+def _gather(x: Tensor, index: Tensor) -> Tensor:
+    """Rows ``index [B, m]`` of ``x [n, ...]`` as ``[B, m, ...]``."""
+    return x.index_select(0, index.reshape(-1).to(x.device)).view(*index.shape, *x.shape[1:])
+
+
 def cascade_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    pieces: Sequence[AttentionPiece],
+    pieces: Sequence[Union[AttentionPiece, PieceBatch]],
     scale: float,
     kernel: str = "flash_cpu",
     prefix: Optional[Tuple[Tensor, Tensor]] = None,
@@ -112,7 +124,8 @@ def cascade_attention(
         q: ``[U, heads, head_dim]`` queries (after RoPE).
         k: ``[U, kv_heads, head_dim]`` keys (after RoPE); ``heads % kv_heads == 0``.
         v: ``[U, kv_heads, head_dim]`` values.
-        pieces: from :func:`plan_pieces`; every query needs at least one piece or a prefix.
+        pieces: from :func:`plan_pieces` (or already batched by :func:`plan_batches`);
+            every query needs at least one piece or a prefix.
         scale: softmax scale (usually ``head_dim ** -0.5``).
         kernel: a name in :data:`megatron_branch.attention.kernels.KERNELS`.
         prefix: the cached ``(k [P, kv_heads, d], v)`` of the path that *every* query
@@ -128,4 +141,7 @@ def cascade_attention(
         ``[U, heads, head_dim]`` attention output, same dtype as ``q``.
     """
     flat = list(prefix) if prefix is not None else []
-    return CascadeAttentionFunction.apply(q, k, v, list(pieces), scale, kernel, (q_block, k_block), prefix_cp, *flat)
+    batches = [p for p in pieces if isinstance(p, PieceBatch)]
+    if len(batches) != len(pieces):
+        batches = plan_batches(pieces)
+    return CascadeAttentionFunction.apply(q, k, v, batches, scale, kernel, (q_block, k_block), prefix_cp, *flat)

@@ -2,8 +2,9 @@
 
 A *piece* is a dense attention of a query range on a key range, either unmasked or
 causal on a square (the query and key ranges coincide). Every kernel here takes
-Megatron's per-token layout ``[n, heads, head_dim]`` views (no copies) and returns
-``out [nq, heads, head_dim]`` and ``lse [heads, nq]`` (float32). The backward takes the
+Megatron's per-token layout ``[n, heads, head_dim]`` views (no copies), or a batch of
+equally shaped pieces ``[B, n, heads, head_dim]``, and returns ``out [(B,) nq, heads,
+head_dim]`` and ``lse [(B,) heads, nq]`` (float32). The backward takes the
 *merged* output and log-sum-exp of all pieces of a query, as ring/cascade attention
 requires: ``P = exp(S - lse_merged)``, ``D = rowsum(dO * O_merged)``.
 
@@ -26,42 +27,54 @@ from torch import Tensor
 
 
 def _bhsd(x: Tensor) -> Tensor:
-    # [n, h, d] -> [1, h, n, d] (a view)
-    return x.transpose(0, 1).unsqueeze(0)
+    # [n, h, d] -> [1, h, n, d]; [B, n, h, d] -> [B, h, n, d] (views)
+    return x.transpose(-3, -2) if x.dim() == 4 else x.transpose(0, 1).unsqueeze(0)
+
+
+def _blse(lse: Tensor) -> Tensor:
+    # [h, n] -> [1, h, n]; [B, h, n] as is
+    return lse if lse.dim() == 3 else lse.unsqueeze(0)
+
+
+def _back(x: Tensor, batched: bool) -> Tensor:
+    # [B, h, n, d] -> [B, n, h, d], or [n, h, d] unbatched
+    return x.transpose(1, 2) if batched else x[0].transpose(0, 1)
 
 
 def flash_cpu_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, scale=scale
     )
-    # out [1, h, nq, d] -> [nq, h, d]; lse [1, h, nq] -> [h, nq]
-    return out[0].transpose(0, 1), lse[0]
+    batched = q.dim() == 4
+    # out [B, h, nq, d] -> [(B,) nq, h, d]; lse [B, h, nq] -> [(B,) h, nq]
+    return _back(out, batched), (lse if batched else lse[0])
 
 
 def flash_cpu_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
 ) -> Tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse.unsqueeze(0).contiguous(),
+        _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), _blse(lse).contiguous(),
         0.0, causal, scale=scale,
     )
-    return dq[0].transpose(0, 1), dk[0].transpose(0, 1), dv[0].transpose(0, 1)
+    batched = q.dim() == 4
+    return _back(dq, batched), _back(dk, batched), _back(dv, batched)
 
 
 def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
-    # [nq, h, d] x [nk, h, d] -> [h, nq, nk]
-    s = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    # [(B,) nq, h, d] x [(B,) nk, h, d] -> [(B,) h, nq, nk]
+    s = torch.einsum("...qhd,...khd->...hqk", q.float(), k.float()) * scale
     if causal:
-        n = q.shape[0]
+        n = q.shape[-3]
         s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     return s
 
 
 def math_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
     s = _scores(q, k, causal, scale)
-    lse = torch.logsumexp(s, dim=-1)  # [h, nq]
+    lse = torch.logsumexp(s, dim=-1)  # [(B,) h, nq]
     p = torch.exp(s - lse.unsqueeze(-1))
-    out = torch.einsum("hqk,khd->qhd", p, v.float())
+    out = torch.einsum("...hqk,...khd->...qhd", p, v.float())
     return out.to(q.dtype), lse
 
 
@@ -69,14 +82,14 @@ def math_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
 ) -> Tuple[Tensor, Tensor, Tensor]:
     s = _scores(q, k, causal, scale)
-    p = torch.exp(s - lse.unsqueeze(-1))  # [h, nq, nk]
+    p = torch.exp(s - lse.unsqueeze(-1))  # [(B,) h, nq, nk]
     do = dout.float()
-    dv = torch.einsum("hqk,qhd->khd", p, do)
-    dp = torch.einsum("qhd,khd->hqk", do, v.float())
-    delta = (do * out.float()).sum(-1).transpose(0, 1)  # [h, nq]
+    dv = torch.einsum("...hqk,...qhd->...khd", p, do)
+    dp = torch.einsum("...qhd,...khd->...hqk", do, v.float())
+    delta = (do * out.float()).sum(-1).transpose(-1, -2)  # [(B,) h, nq]
     ds = p * (dp - delta.unsqueeze(-1)) * scale
-    dq = torch.einsum("hqk,khd->qhd", ds, k.float())
-    dk = torch.einsum("hqk,qhd->khd", ds, q.float())
+    dq = torch.einsum("...hqk,...khd->...qhd", ds, k.float())
+    dk = torch.einsum("...hqk,...qhd->...khd", ds, q.float())
     return dq, dk, dv
 
 
@@ -86,7 +99,9 @@ def flash_cuda_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: flo
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
         _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, False, scale=scale
     )[:2]
-    return out[0].transpose(0, 1), lse[0, :, : q.shape[0]]
+    batched = q.dim() == 4
+    nq = q.shape[-3]
+    return _back(out, batched), (lse[:, :, :nq] if batched else lse[0, :, :nq])
 
 
 def flash_cuda_backward(
@@ -95,10 +110,11 @@ def flash_cuda_backward(
     empty = torch.empty(0, dtype=torch.int64, device=q.device)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
         _bhsd(dout).contiguous(), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out).contiguous(),
-        lse.unsqueeze(0).contiguous(), empty, empty, q.shape[0], k.shape[0], 0.0, causal, empty, empty,
+        _blse(lse).contiguous(), empty, empty, q.shape[-3], k.shape[-3], 0.0, causal, empty, empty,
         scale=scale,
     )
-    return dq[0].transpose(0, 1), dk[0].transpose(0, 1), dv[0].transpose(0, 1)
+    batched = q.dim() == 4
+    return _back(dq, batched), _back(dk, batched), _back(dv, batched)
 
 
 KERNELS = {

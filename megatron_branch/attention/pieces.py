@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
+import torch
+
 from megatron_branch.tree import BranchSegment
 
 
@@ -62,3 +64,71 @@ def plan_pieces(
         if seg.subtree_end > seg.end:
             tile_rect(seg.end, seg.subtree_end, seg.start, seg.end, qb, kb, pieces)
     return pieces
+
+
+def bucket(n: int) -> int:
+    """``n`` rounded up to a small set of sizes (at most 12.5% larger, and to 16 below
+    that), so that pieces of nearly equal size share one batched kernel call."""
+    if n <= 16:
+        return n
+    step = 1 << max(n.bit_length() - 4, 0)
+    return -(-n // step) * step
+
+
+@dataclass
+class PieceBatch:
+    """Equally shaped pieces run as one batched kernel call.
+
+    Causal squares are padded at their end (a padded query's output is dropped; no real
+    query sees a padded key, which comes after it); rectangles pad only queries, never
+    keys (an extra key would change every softmax).
+
+    Attributes:
+        causal: the pieces are causal squares.
+        q_index: ``[B, nq]`` query row of each batch entry (padding repeats a real row).
+        k_index: ``[B, nk]`` key row of each batch entry.
+        valid: ``[B, nq]`` the entry is a real query of its piece.
+        rows: ``[M]`` the real query rows, in ``q_index[valid]`` order.
+    """
+
+    causal: bool
+    q_index: torch.Tensor
+    k_index: torch.Tensor
+    valid: torch.Tensor
+    rows: torch.Tensor
+
+
+MAX_BATCH_ROWS = 1 << 16  # most query rows gathered for one batched call
+
+
+def plan_batches(pieces: Sequence[AttentionPiece], max_scores: Optional[int] = None) -> List[PieceBatch]:
+    """Group pieces into batched calls: causal squares by bucketed length, rectangles by
+    key count and bucketed query count; a group is split so a call gathers at most
+    :data:`MAX_BATCH_ROWS` query rows and, for kernels that materialise scores, at most
+    ``max_scores`` (query, key) pairs per head."""
+    groups: dict = {}
+    for p in pieces:
+        nq, nk = p.q_hi - p.q_lo, p.k_hi - p.k_lo
+        key = (True, bucket(nq), bucket(nq)) if p.causal else (False, bucket(nq), nk)
+        groups.setdefault(key, []).append(p)
+    batches: List[PieceBatch] = []
+    for (causal, nq_b, nk_b), members in sorted(groups.items(), key=lambda kv: kv[0]):
+        per_call = max(1, MAX_BATCH_ROWS // nq_b)
+        if max_scores is not None:
+            per_call = max(1, min(per_call, max_scores // (nq_b * nk_b)))
+        for first in range(0, len(members), per_call):
+            batches.append(_batch(members[first:first + per_call], causal, nq_b, nk_b))
+    return batches
+
+
+def _batch(members: Sequence[AttentionPiece], causal: bool, nq_b: int, nk_b: int) -> PieceBatch:
+    steps = torch.arange(nq_b)
+    q_lo = torch.tensor([p.q_lo for p in members])[:, None]
+    q_len = torch.tensor([p.q_hi - p.q_lo for p in members])[:, None]
+    valid = steps[None, :] < q_len
+    q_index = q_lo + torch.minimum(steps[None, :], q_len - 1)
+    if causal:
+        k_index = q_index.clone()
+    else:
+        k_index = torch.tensor([p.k_lo for p in members])[:, None] + torch.arange(nk_b)[None, :]
+    return PieceBatch(causal, q_index, k_index, valid, q_index[valid])

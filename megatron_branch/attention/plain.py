@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megatron_branch._megatron import AttnMaskType
-from megatron_branch.attention.cascade import AttentionPiece, cascade_attention, plan_pieces, tile_rect
+from megatron_branch.attention.cascade import AttentionPiece, cascade_attention, plan_batches, plan_pieces, tile_rect
 from megatron_branch.tree import BranchSegment
 
 CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.causal_bottom_right, AttnMaskType.padding_causal)
@@ -141,6 +141,7 @@ def thd_attention(query: Tensor, key: Tensor, value: Tensor, packed_seq_params, 
     t, h, _ = query.shape
     causal = mask_type is None or mask_type in CAUSAL_TYPES
     pieces = thd_pieces(packed_seq_params, t, causal, q_block, k_block)
-    out = cascade_attention(query, key, value, pieces, scale, kernel)
+    batches = plan_batches(pieces, q_block * k_block if q_block and k_block else None)
+    out = cascade_attention(query, key, value, batches, scale, kernel)
     # [t, h, d] -> [t, h * d]
     return out.reshape(t, -1)
