@@ -127,8 +127,9 @@ def _batch(members: Sequence[AttentionPiece], causal: bool, nq_b: int, nk_b: int
     q_len = torch.tensor([p.q_hi - p.q_lo for p in members])[:, None]
     valid = steps[None, :] < q_len
     q_index = q_lo + torch.minimum(steps[None, :], q_len - 1)
-    if causal:
-        k_index = q_index.clone()
+    k_lo = torch.tensor([p.k_lo for p in members])[:, None]
+    if causal:  # keys follow the queries (their indices differ under CP, where queries are shard-local)
+        k_index = k_lo + torch.minimum(steps[None, :], q_len - 1)
     else:
-        k_index = torch.tensor([p.k_lo for p in members])[:, None] + torch.arange(nk_b)[None, :]
+        k_index = k_lo + torch.arange(nk_b)[None, :]
     return PieceBatch(causal, q_index, k_index, valid, q_index[valid])
