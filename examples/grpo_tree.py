@@ -26,6 +26,7 @@ from megatron_branch import losses  # noqa: E402
 from megatron_branch.distributed import init_distributed  # noqa: E402
 from megatron_branch.models import build_gpt, llama_config  # noqa: E402
 from megatron_branch.naive import batched_rollout_logprobs  # noqa: E402
+from megatron_branch.synthetic import sample_continuations  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -46,27 +47,11 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-@torch.no_grad()
-def extend(model, prefixes, length, gen, vocab):
-    """Sample ``length`` tokens after each prefix (plain causal forward, no tree)."""
-    seqs = [p.clone() for p in prefixes]
-    for _ in range(length):
-        width = max(s.numel() for s in seqs)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, : s.numel()] = s
-        pos = torch.arange(width).expand(len(seqs), -1)
-        logits = model(ids, pos, attention_mask=None)  # [b, s, V]
-        last = torch.stack([logits[i, s.numel() - 1] for i, s in enumerate(seqs)]).float()
-        nxt = torch.multinomial(torch.softmax(last[:, :vocab], -1), 1, generator=gen)[:, 0]
-        seqs = [torch.cat([s, n.view(1)]) for s, n in zip(seqs, nxt)]
-    return seqs
-
-
 def sample_tree(model, args, gen):
     prompts = [torch.randint(0, args.vocab, (args.prompt_len,), generator=gen) for _ in range(args.prompts)]
-    stems = extend(model, [p for p in prompts for _ in range(args.stems)], args.stem_len, gen, args.vocab)
-    return extend(model, [s for s in stems for _ in range(args.tails)], args.tail_len, gen, args.vocab)
+    stems = sample_continuations(model, [p for p in prompts for _ in range(args.stems)], args.stem_len, gen,
+                                 args.vocab)
+    return sample_continuations(model, [s for s in stems for _ in range(args.tails)], args.tail_len, gen, args.vocab)
 
 
 def reward(seq, args):

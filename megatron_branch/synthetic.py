@@ -69,3 +69,25 @@ def branching_rollouts(
         prompts.extend([plen] * len(frontier))
         groups.extend([g] * len(frontier))
     return RolloutBatch(seqs, prompts, groups)
+
+
+@torch.no_grad()
+def sample_continuations(model, prefixes: Sequence[torch.Tensor], length: int, generator: torch.Generator,
+                         vocab_size: int) -> List[torch.Tensor]:
+    """Sample ``length`` tokens after each prefix from a (branch-spec or stock) GPTModel.
+
+    A plain right-padded causal batch (no tree), for the toy RL examples; tokens are drawn
+    from the softmax over the first ``vocab_size`` logits.
+    """
+    seqs = [p.clone() for p in prefixes]
+    for _ in range(length):
+        width = max(s.numel() for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : s.numel()] = s
+        pos = torch.arange(width).expand(len(seqs), -1)
+        logits = model(ids, pos, attention_mask=None)  # [b, s, V]
+        last = torch.stack([logits[i, s.numel() - 1] for i, s in enumerate(seqs)]).float()
+        nxt = torch.multinomial(torch.softmax(last[:, :vocab_size], -1), 1, generator=generator)[:, 0]
+        seqs = [torch.cat([s, n.view(1)]) for s, n in zip(seqs, nxt)]
+    return seqs

@@ -67,6 +67,39 @@ def _as_token_array(seq: Rollout, index: int) -> np.ndarray:
     return arr
 
 
+def _unique_loss_mask(tree: "BranchTree", arrays: List[np.ndarray], loss_masks: Sequence[Rollout]) -> torch.Tensor:
+    """``[U]`` bool loss mask per unique token, checked for agreement on shared tokens."""
+    if len(loss_masks) != len(arrays):
+        raise ValueError(f"loss_masks: {len(loss_masks)} masks for {len(arrays)} rollouts")
+    flat_mask, flat_rows = [], []
+    for r, (tokens, mask) in enumerate(zip(arrays, loss_masks)):
+        m = np.asarray(mask.detach().cpu() if isinstance(mask, torch.Tensor) else mask)
+        if m.ndim != 1 or m.size != tokens.size:
+            raise ValueError(f"rollout {r}: loss_masks has {m.size if m.ndim == 1 else m.shape} entries for "
+                             f"{tokens.size} tokens")
+        bad = np.nonzero((m != 0) & (m != 1))[0]
+        if bad.size:
+            raise ValueError(f"rollout {r}: loss_masks position {int(bad[0])} is {m[bad[0]]}, not 0 or 1")
+        flat_mask.append(m.astype(bool))
+        flat_rows.append(tree.rows[r, : tokens.size].numpy())
+    rows, values = np.concatenate(flat_rows), np.concatenate(flat_mask)
+    unique = np.zeros(tree.unique_positions, dtype=bool)
+    unique[rows[values]] = True
+    conflict = np.nonzero(unique[rows] != values)[0]  # marked 0 where another rollout says 1
+    if conflict.size:
+        offsets = np.cumsum([0] + [t.size for t in arrays])
+        r = int(np.searchsorted(offsets, conflict[0], side="right") - 1)
+        t = int(conflict[0] - offsets[r])
+        token = rows[conflict[0]]
+        other = next(s for s in range(len(arrays))
+                     if t < flat_mask[s].size and tree.rows[s, t] == token and flat_mask[s][t])
+        raise ValueError(
+            f"rollout {r}: loss_masks position {t} is 0 but rollout {other} marks the same shared token 1; "
+            "a token shared by rollouts has one origin (policy or environment)"
+        )
+    return torch.from_numpy(unique)
+
+
 class BranchTree:
     """Rollouts deduplicated into a prefix tree and packed in DFS preorder.
 
@@ -104,6 +137,7 @@ class BranchTree:
         sequences: Sequence[Rollout],
         vocab_size: Optional[int] = None,
         share_limit: Optional[Union[int, Sequence[int]]] = None,
+        loss_masks: Optional[Sequence[Rollout]] = None,
     ) -> "BranchTree":
         """Build the tree of a batch of rollouts.
 
@@ -142,7 +176,10 @@ class BranchTree:
                 limits = np.full(len(arrays), int(limits), dtype=np.int64)
             if limits.shape != (len(arrays),):
                 raise ValueError(f"share_limit: needs one entry per rollout ({len(arrays)}), got {limits.shape}")
-        return cls._build(arrays, limits)
+        tree = cls._build(arrays, limits)
+        if loss_masks is not None:
+            tree.loss_mask = _unique_loss_mask(tree, arrays, loss_masks)
+        return tree
 
     @classmethod
     def _build(cls, arrays: List[np.ndarray], limits: Optional[np.ndarray] = None) -> "BranchTree":
@@ -255,6 +292,20 @@ class BranchTree:
             segments=segments,
         )
 
+    loss_mask: Optional[torch.Tensor] = None
+
+    def rollout_loss_mask(self) -> torch.Tensor:
+        """``[R, max_len - 1]`` float mask of the positions whose log-prob a loss reads:
+        ``mask[r, t]`` is the loss mask of token ``t + 1`` of rollout ``r`` (0 past its end).
+
+        Raises:
+            ValueError: the tree was built without ``loss_masks``.
+        """
+        if self.loss_mask is None:
+            raise ValueError("loss_masks: this tree was built without loss masks (BranchTree.from_sequences)")
+        rows = self.rows[:, 1:]
+        return torch.where(rows >= 0, self.loss_mask[rows.clamp(min=0)], torch.zeros((), dtype=torch.bool)).float()
+
     # ------------------------------------------------------------------ properties
     @property
     def num_rollouts(self) -> int:
@@ -324,10 +375,12 @@ class BranchTree:
 
     def to(self, device: Union[str, torch.device]) -> "BranchTree":
         """Copy of the tree with its tensors on ``device``."""
-        return BranchTree(
+        out = BranchTree(
             self.tokens.to(device), self.positions.to(device), self.parents.to(device),
             self.last.to(device), self.rows.to(device), self.lengths.to(device), self.segments,
         )
+        out.loss_mask = None if self.loss_mask is None else self.loss_mask.to(device)
+        return out
 
     def __repr__(self) -> str:
         return (
