@@ -19,6 +19,7 @@ setup(
         "megatron-core>=0.16,<0.20",
         "numpy",
         "packaging",
+        "psutil",  # megatron-core's dist-checkpointing (checkpoint/resume, HF conversion)
     ],
     extras_require={
         "dev": ["pytest>=7", "psutil", "safetensors", "matplotlib", "transformers", "nemo-run==0.11.1", "leptonai<0.47",

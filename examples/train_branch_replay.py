@@ -20,9 +20,24 @@ its own sequence, the same micro-batches, DDP, optimizer and loss normalisation.
 Weights are drawn per parameter *name* from the seed, so every layout starts from the
 same model; ``--dump-params`` writes the unsharded parameters after the last step
 (``--steps 0``: the initial ones), ``--dump-grads`` the first step's reduced gradients and
-``--dump-logprobs`` its behaviour log-probs, all under stock Megatron names and identical
-in layout whatever TP/CP/PP/DP was used. Runs on CPU with gloo (CPU shims applied) and on
-GPU with NCCL.
+``--dump-logprobs`` its behaviour log-probs (the first step this run executes, after a
+``--load``), all under stock Megatron names and identical in layout whatever TP/CP/PP/DP
+was used. Runs on CPU with gloo (CPU shims applied) and on GPU with NCCL.
+
+Checkpoints (Megatron's ``dist_checkpointing``, :mod:`megatron_branch.training.checkpoint`):
+``--save DIR --save-interval N`` saves model, optimizer (the distributed optimizer's shards
+included), RNG and step every N steps and after the last one, atomically; ``--load DIR``
+resumes from ``DIR/latest`` on any TP/PP/DP layout. ``--steps`` counts total steps, as
+Megatron's ``--train-iters``: a checkpoint saved at step 2 with ``--steps 3`` runs one more.
+``--check-finite`` stops at the first NaN/Inf (activation, log-prob, loss, gradient or
+parameter) with the step, rollout and layer (:mod:`megatron_branch.guards`).
+
+Failures print one line (``rank N failed: ...``; ``--debug`` adds the traceback) and exit
+nonzero: 2 for bad flags, missing/corrupt files and unwritable targets (checked before
+the model is built), 1 otherwise. Collectives time out after ``$MEGATRON_BRANCH_TIMEOUT``
+seconds (default 600). ``$MEGATRON_BRANCH_FAULT=RANK:STEP:KIND`` injects a fault for tests:
+KIND ``raise`` (an exception at that step), ``hang`` (sleeps), ``kill-in-save`` (SIGKILL
+while the checkpoint of that step is being written, before it is committed).
 """
 
 from __future__ import annotations
@@ -30,7 +45,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import signal
 import sys
+import time
 import warnings
 
 import torch
@@ -45,24 +62,36 @@ import megatron_branch as mb  # noqa: E402
 from megatron_branch import losses  # noqa: E402
 from megatron_branch._megatron import OptimizerConfig, parallel_state  # noqa: E402
 from megatron_branch.context_parallel import balance_report, shard_bounds  # noqa: E402
-from megatron_branch.distributed import destroy_distributed, init_distributed  # noqa: E402
+from megatron_branch.distributed import destroy_distributed, heartbeat, init_distributed, run_main  # noqa: E402
+from megatron_branch.guards import FiniteGuard  # noqa: E402
 from megatron_branch.models import build_gpt, llama_config  # noqa: E402
 from megatron_branch.naive import make_naive_forward_step  # noqa: E402
 from megatron_branch.parallel import full_state, load_full_state  # noqa: E402
 from megatron_branch.pipeline import forward_backward  # noqa: E402
 from megatron_branch.synthetic import branching_rollouts  # noqa: E402
 from megatron_branch.training import (  # noqa: E402
+    check_load_dir,
+    check_save_dir,
     forward_backward_step,
     get_optimizer,
+    load_checkpoint,
     optimizer_step,
     plan_data_parallel,
+    save_checkpoint,
     wrap_ddp,
 )
 from megatron_branch.unit import linear_weight  # noqa: E402
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (exit code 2)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("layout (data-parallel size = world / (tp * cp * pp))")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     g.add_argument("--cp", type=int, default=1, help="context-parallel size")
@@ -106,6 +135,14 @@ def parse_args(argv=None):
     g.add_argument("--dump-grads", metavar="PATH", help="first step's reduced, unsharded gradients (safetensors)")
     g.add_argument("--dump-logprobs", metavar="PATH", help="first step's per-rollout behaviour log-probs")
     g.add_argument("--dump-params", metavar="PATH", help="unsharded parameters after the last step")
+    g = p.add_argument_group("checkpoints and reliability")
+    g.add_argument("--save", metavar="DIR", help="save checkpoints here (Megatron dist_checkpointing, atomic)")
+    g.add_argument("--save-interval", type=int, default=None, metavar="N",
+                   help="save every N steps (and after the last step); needs --save")
+    g.add_argument("--load", metavar="DIR", help="resume from DIR/latest (any TP/PP/DP layout)")
+    g.add_argument("--check-finite", action="store_true",
+                   help="stop at the first NaN/Inf with its step, rollout and layer (a few percent slower)")
+    g.add_argument("--debug", action="store_true", help="print tracebacks of failures")
     args = p.parse_args(argv)
     if args.naive and (args.pp > 1 or args.cp > 1):
         p.error("--naive: runs with --pp 1 --cp 1 (the stock local spec has no tree CP)")
@@ -115,7 +152,57 @@ def parse_args(argv=None):
         p.error("--dump-grads: the distributed optimizer keeps only each rank's shard of the reduced gradient")
     if args.chunk_tokens is not None and args.pp > 1:
         p.error("--chunk-tokens: streaming replay runs with --pp 1")
+    for name in ("tp", "cp", "pp"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name}: must be >= 1")
+    for name in ("chunk_tokens", "micro_batch_tokens", "bucket_size", "save_interval"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}: must be >= 1")
+    if args.steps < 0:
+        p.error("--steps: must be >= 0")
+    if args.save_interval is not None and not args.save:
+        p.error("--save-interval: needs --save DIR")
+    if (args.save or args.load) and args.optimizer != "megatron":
+        p.error("--save/--load: checkpoints hold Megatron optimizer state; use --optimizer megatron")
     return args
+
+
+def check_files(args) -> None:
+    """Inputs and outputs, before anything heavy: one ValueError/OSError naming the flag."""
+    if args.load:
+        check_load_dir(args.load)
+    if args.save:
+        check_save_dir(args.save, resume_from=args.load)
+    for flag in ("dump_grads", "dump_logprobs", "dump_params"):
+        path = getattr(args, flag)
+        if path is None:
+            continue
+        name = "--" + flag.replace("_", "-")
+        if os.path.isdir(path):
+            raise ValueError(f"{name} {path}: is a directory; give a file path")
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise FileNotFoundError(f"{name} {path}: directory {parent} does not exist; create it first")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise PermissionError(f"{name} {path}: directory {parent} is not writable")
+
+
+def injected_fault():
+    """``$MEGATRON_BRANCH_FAULT=RANK:STEP:KIND`` (tests): (rank, step, kind) or None."""
+    text = os.environ.get("MEGATRON_BRANCH_FAULT")
+    if not text:
+        return None
+    parts = text.split(":")
+    kinds = ("raise", "hang", "kill-in-save")
+    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or parts[2] not in kinds:
+        raise ValueError(f"MEGATRON_BRANCH_FAULT={text!r}: expected RANK:STEP:KIND with KIND one of {kinds}")
+    return int(parts[0]), int(parts[1]), parts[2]
+
+
+def model_fingerprint(args):
+    """What a checkpoint must share with this run (checked on --load)."""
+    return {"layers": args.layers, "hidden": args.hidden, "vocab": args.vocab, "heads": 4, "query_groups": 2,
+            "tie_embeddings": args.tie_embeddings, "bf16": args.bf16}
 
 
 def seeded_state(model, seed: int):
@@ -199,6 +286,8 @@ def global_logprobs(local: torch.Tensor) -> torch.Tensor:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    check_files(args)
+    fault = injected_fault()
     if not torch.cuda.is_available():
         mb.enable_cpu()
     init_distributed(args.tp, args.pp, args.cp)
@@ -206,6 +295,18 @@ def main(argv=None) -> int:
     dp_size = parallel_state.get_data_parallel_world_size()
     dp_rank = parallel_state.get_data_parallel_rank()
     config, model, ddp, optimizer = build(args)
+    fingerprint = model_fingerprint(args)
+    start = 0
+    if args.load:
+        loaded = load_checkpoint(args.load, [ddp], optimizer, fingerprint=fingerprint)
+        start = loaded.iteration
+        if rank == 0:
+            rng = "RNG restored" if loaded.rng_restored else \
+                "RNG from the seed (saved on another layout: {})".format(loaded.layout)
+            print(f"loaded {loaded.path} (step {start}; {rng})", flush=True)
+            if start >= args.steps:
+                print(f"checkpoint at step {start} >= --steps {args.steps}: nothing to train", flush=True)
+    guard = FiniteGuard(ddp, enabled=args.check_finite)
 
     batch = branching_rollouts(args.prompts, args.branching, args.segments, args.vocab, seed=args.seed,
                                jitter=args.jitter)
@@ -231,8 +332,23 @@ def main(argv=None) -> int:
             print(balance_report(first.positions, shard_bounds(first.positions, args.cp, linear_weight(config))),
                   flush=True)
 
-    for step in range(args.steps):
+    def before_commit(tmp, step):
+        if fault is not None and fault[2] == "kill-in-save" and fault[:2] == (rank, step):
+            print(f"rank {rank}: injected fault: SIGKILL while saving step {step}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    for step in range(start, args.steps):
+        guard.step = step
+        heartbeat(f"step {step}: start")
+        if fault is not None and fault[:2] == (rank, step):
+            if fault[2] == "raise":
+                raise RuntimeError(f"injected fault at step {step} (MEGATRON_BRANCH_FAULT)")
+            if fault[2] == "hang":
+                print(f"rank {rank}: injected fault: hanging at step {step}", file=sys.stderr, flush=True)
+                time.sleep(3600)
         old = behaviour_logprobs(args, ddp, items, width, len(sequences), sequences)
+        guard.check_logprobs(old, what="behaviour log-prob")
+        heartbeat(f"step {step}: forward/backward")
 
         def loss_fn(lp, ids):
             m = mask[ids].to(lp.device)
@@ -242,19 +358,22 @@ def main(argv=None) -> int:
                 return loss / m.sum().clamp(min=1.0), torch.ones(())
             return loss, m.sum()
 
+        loss_fn = guard.wrap_loss(loss_fn)
         optimizer.zero_grad()  # torch: .grad back to None, or DDP's hook would add it to main_grad again
         loss_sum, tokens = forward_backward_step([ddp], items, loss_fn, max_chunk_tokens=args.chunk_tokens,
                                                  cp_comm_type=args.cp_comm, forward_step_func=(
                                                      make_naive_forward_step(loss_fn, sequences)
                                                      if args.naive else None))
-        if step == 0 and args.dump_grads:
+        guard.check_grads()
+        if step == start and args.dump_grads:
             grads = full_state(ddp, "grad")
             if rank == 0:
                 save_tensors(args.dump_grads, grads)
-        if step == 0 and args.dump_logprobs:
+        if step == start and args.dump_logprobs:
             lp_all = global_logprobs(old)
             if rank == 0:
                 save_tensors(args.dump_logprobs, {"logprobs": lp_all})
+        heartbeat(f"step {step}: optimizer")
         if args.optimizer == "megatron":
             ok, grad_norm, _ = optimizer_step(optimizer)
         else:
@@ -262,11 +381,20 @@ def main(argv=None) -> int:
                 p.grad = p.main_grad.to(p.dtype)
             optimizer.step()
             grad_norm = None
+        guard.check_params()
         reporter = (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
                     and parallel_state.get_context_parallel_rank() == 0 and dp_rank == 0)
         if reporter:
             norm = f", grad norm {grad_norm:.6e}" if grad_norm is not None else ""
             print(f"step {step}: rank-0 loss sum {loss_sum:+.6e} over {tokens} tokens{norm}", flush=True)
+        done = step + 1
+        if args.save and (done == args.steps or (args.save_interval and done % args.save_interval == 0)):
+            heartbeat(f"step {step}: save")
+            path = save_checkpoint(args.save, done, [ddp], optimizer, data_state={"consumed_batches": done},
+                                   fingerprint=fingerprint, before_commit=lambda tmp, s=done: before_commit(tmp, s))
+            if rank == 0:
+                print(f"saved {path}", flush=True)
+    guard.close()
     if args.dump_params:
         params = full_state(ddp, "param")
         if rank == 0:
@@ -276,4 +404,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, prog=os.path.basename(sys.argv[0])))

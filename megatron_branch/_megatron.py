@@ -4,7 +4,10 @@ Megatron's API moves between releases (GPTModel -> HybridModel, ModuleSpec -> ty
 builders); keeping the imports here confines a port to this file. Pinned: 0.16.x.
 """
 
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -88,6 +91,10 @@ def clear_moe_logged_metrics() -> None:
 
 __all__ = [
     "AttnMaskType",
+    "ShardedObject",
+    "TorchDistSaveShardedStrategy",
+    "dist_checkpointing",
+    "filesystem_async",
     "DistributedDataParallel",
     "DistributedDataParallelConfig",
     "Float16Module",

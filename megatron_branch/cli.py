@@ -1,11 +1,20 @@
-"""``megatron-branch``: the command-line entry point."""
+"""``megatron-branch``: the command-line entry point.
+
+Every command fails cleanly: bad flags, missing or corrupt input files and unwritable
+output targets are reported before any heavy work as one line naming the flag or file
+and what to do, with exit code 2 (``plan`` exits 1 when the workload does not fit).
+Other failures print one line and exit 1. ``--debug`` (before or after the command, or
+``$MEGATRON_BRANCH_DEBUG=1``) adds the traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import warnings
-from typing import List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 # megatron-core warns about Apex/TE fallbacks when imported on CPU; they are expected here.
 warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
@@ -16,7 +25,11 @@ from megatron_branch import demo  # noqa: E402
 from megatron_branch.bench import cp as bench_cp  # noqa: E402
 from megatron_branch.bench import run as bench_run  # noqa: E402
 from megatron_branch.bench import scale as bench_scale  # noqa: E402
+from megatron_branch.distributed import run_main  # noqa: E402
 from megatron_branch.planner import plan as planner  # noqa: E402
+from megatron_branch import study  # noqa: E402
+
+PROG = "megatron-branch"
 
 # (name, module with add_arguments/main and a docstring, one-line help)
 COMMANDS = (
@@ -25,34 +38,153 @@ COMMANDS = (
     ("bench-cp", bench_cp, "context-parallel replay on CPU processes: balance, time, bytes sent"),
     ("bench-scale", bench_scale, "the headline workload scaled down: measured per-rank memory vs the planner"),
     ("plan", planner, "choose TP/CP/PP, chunk, recompute and FP8 for a workload on a cluster"),
+    ("study", study, "convergence and wall-clock of naive, exact and tail-only GRPO/PPO/DPO training"),
 )
+
+# What each command reads and writes, checked before it runs (argument dest, kind).
+# "file": an output file (its directory must exist and be writable; not a directory);
+# "dir": an output directory (created by the command; must not be a file, and its nearest
+# existing ancestor must be writable); "json": an input JSON object file.
+OUTPUTS: Dict[str, Tuple[Tuple[str, str], ...]] = {
+    "demo": (("json", "file"),),
+    "bench": (("out", "dir"),),
+    "bench-cp": (("out", "dir"),),
+    "bench-scale": (("json", "file"),),
+    "plan": (("json", "file"),),
+}
+INPUTS: Dict[str, Tuple[Tuple[str, str], ...]] = {
+    "plan": (("hf_config", "json"),),
+}
+# Integer flags that must be >= 1 when given (bench-scale checks its own).
+POSITIVE: Dict[str, Tuple[str, ...]] = {
+    "demo": ("repeats",),
+    "bench": ("repeats", "chunk_tokens"),
+    "plan": ("gpus", "rollouts", "response_len", "prompts", "naive_positions"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors (exit code 2)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="megatron-branch",
+    parser = _Parser(
+        prog=PROG,
         description=(
             "Exact branch replay for RL post-training on Megatron-Core: rollouts that share "
             "a prompt are deduplicated into a prefix tree and every unique token position is "
             "computed once, with gradients equal to running each rollout separately."
         ),
     )
+    parser.add_argument("--debug", action="store_true", help="print the traceback of a failure")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module, help_text in COMMANDS:
         p = sub.add_parser(name, help=help_text, description=module.__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="print the traceback of a failure")
         p.set_defaults(func=module.main)
     return parser
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def check_output_file(flag: str, path: str) -> None:
+    """An output file can be written: not a directory, its directory exists and is writable."""
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: is a directory; give a file path")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"{flag} {path}: directory {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise PermissionError(f"{flag} {path}: not writable; choose a writable location")
+
+
+def check_output_dir(flag: str, path: str) -> None:
+    """An output directory can be created or written: not a file, writable."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: is a file, not a directory; choose a directory")
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise ValueError(f"{flag} {path}: {probe} is a file; choose a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise PermissionError(f"{flag} {path}: {probe} is not writable; choose a writable directory")
+
+
+def check_input_json(flag: str, path: str) -> None:
+    """An input JSON file exists, is readable and holds an object."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{flag} {path}: no such file")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{flag} {path}: not valid JSON ({e}); pass a Hugging Face config.json") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{flag} {path}: holds a JSON {type(data).__name__}, expected an object (config.json)")
+
+
+def preflight(command: str, args: argparse.Namespace) -> None:
+    """Check ``args`` of ``command`` before it runs (raises ValueError/OSError)."""
+    for dest in POSITIVE.get(command, ()):
+        value = getattr(args, dest, None)
+        if value is not None and value < 1:
+            raise ValueError(f"{_flag(dest)}: must be >= 1, got {value}")
+    for dest, kind in INPUTS.get(command, ()):
+        value = getattr(args, dest, None)
+        if value is not None and kind == "json":
+            check_input_json(_flag(dest), value)
+    for dest, kind in OUTPUTS.get(command, ()):
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        (check_output_file if kind == "file" else check_output_dir)(_flag(dest), value)
+    if command == "plan":
+        _preflight_plan(args)
+
+
+def _preflight_plan(args) -> None:
+    mfu, naive = getattr(args, "mfu", None), getattr(args, "naive_positions", None)
+    rollouts, response = getattr(args, "rollouts", 1) or 1, getattr(args, "response_len", 0) or 0
+    if mfu is not None and not 0 < mfu <= 1:
+        raise ValueError(f"--mfu: must be in (0, 1], got {mfu}")
+    if naive:
+        if naive % rollouts:
+            raise ValueError(f"--naive-positions {naive} is not a multiple of --rollouts {rollouts}; "
+                             f"give total positions = rollouts x (prompt + response)")
+        if naive // rollouts - response < 1:
+            raise ValueError(f"--naive-positions {naive}: leaves no prompt after --rollouts {rollouts} x "
+                             f"--response-len {response}")
+    elif getattr(args, "prompt_len", 1) < 1:
+        raise ValueError(f"--prompt-len: must be >= 1, got {args.prompt_len}")
+
+
+def _command_of(argv: Sequence[str]) -> Optional[str]:
+    names = {name for name, _, _ in COMMANDS}
+    return next((a for a in argv if a in names), None)
+
+
+def _main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    preflight(args.command, args)
     return args.func(args)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    command = _command_of(sys.argv[1:] if argv is None else argv)
+    return run_main(_main, argv, prog=f"{PROG} {command}" if command else PROG)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,21 @@ def _check_like(name: str, x: Optional[Tensor], ref: Tensor, ref_name: str = "lo
         )
 
 
+def _check_finite(name: str, x: Optional[Tensor], *, allow_inf: bool = False) -> None:
+    """Refuse NaN (and, unless ``allow_inf``, Inf) in a loss input: one bad entry would
+    turn the whole loss and every gradient into NaN, even where its mask is 0."""
+    if x is None or not isinstance(x, Tensor) or not (x.is_floating_point() or x.is_complex()):
+        return
+    bad = torch.isnan(x) if allow_inf else ~torch.isfinite(x)
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        what = "NaN" if allow_inf or bool(torch.isnan(x[bad]).any()) else "Inf"
+        raise ValueError(
+            f"{name}: {int(bad.sum())} {what} value(s), first at index {where}; "
+            f"fix the {name} before the loss (a NaN poisons every gradient, even under a zero mask)"
+        )
+
+
 def _broadcast_advantages(advantages: Tensor, ref: Tensor) -> Tensor:
     if not isinstance(advantages, Tensor):
         raise ValueError(f"advantages: expected a tensor, got {type(advantages).__name__}")
@@ -86,6 +101,7 @@ def agg_loss(
     """
     _check_2d("loss", loss_mat)
     _check_like("mask", mask, loss_mat, "loss")
+    _check_finite("mask", mask)
     if mode not in AGG_MODES:
         raise ValueError(f"mode: {mode!r} is not one of {AGG_MODES}")
     mask = mask.to(loss_mat.dtype)
@@ -130,6 +146,7 @@ def sequence_logprobs(logprobs: Tensor, mask: Tensor) -> Tensor:
     """``[R]`` sum of the masked per-token log-probs of each rollout."""
     _check_2d("logprobs", logprobs)
     _check_like("mask", mask, logprobs)
+    _check_finite("mask", mask)
     return (logprobs * mask.to(logprobs.dtype)).sum(-1)
 
 
@@ -150,6 +167,7 @@ def grpo_advantages(
         raise ValueError(f"rewards: expected a 1-D tensor [R], got {getattr(rewards, 'shape', rewards)}")
     if group_size < 1 or rewards.numel() % group_size:
         raise ValueError(f"group_size: {group_size} does not divide {rewards.numel()} rewards")
+    _check_finite("rewards", rewards)
     grouped = rewards.float().view(-1, group_size)
     adv = grouped - grouped.mean(-1, keepdim=True)
     if normalize_std:
@@ -238,6 +256,10 @@ def ppo_policy_loss(
     _check_like("old_logprobs", old_logprobs, logprobs)
     _check_like("mask", mask, logprobs)
     _check_like("ref_logprobs", ref_logprobs, logprobs)
+    _check_finite("advantages", advantages)
+    _check_finite("mask", mask)
+    _check_finite("old_logprobs", old_logprobs, allow_inf=True)
+    _check_finite("ref_logprobs", ref_logprobs if kl_coef else None, allow_inf=True)
     adv = _broadcast_advantages(advantages, logprobs).to(logprobs.dtype)
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip: must be > 1, got {dual_clip}")

@@ -7,7 +7,8 @@
 
 Files: :mod:`.ddp` (Megatron DDP wrapping, held reduction over replay's backwards),
 :mod:`.optimizer` (``get_megatron_optimizer`` on CPU too), :mod:`.batching` (whole-tree
-DP balance and micro-batches), :mod:`.step` (one iteration). Names are imported on first
+DP balance and micro-batches), :mod:`.step` (one iteration), :mod:`.checkpoint`
+(save/resume through Megatron's ``dist_checkpointing``, atomic). Names are imported on first
 use (the replay and pipeline modules import :mod:`.ddp` and :mod:`.batching` directly).
 """
 
@@ -15,6 +16,12 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
+    "LoadedCheckpoint": "checkpoint",
+    "check_load_dir": "checkpoint",
+    "check_save_dir": "checkpoint",
+    "latest_iteration": "checkpoint",
+    "load_checkpoint": "checkpoint",
+    "save_checkpoint": "checkpoint",
     "DataParallelPlan": "batching",
     "TreeMicroBatch": "batching",
     "plan_data_parallel": "batching",
