@@ -23,13 +23,12 @@ import torch
 
 warnings.filterwarnings("ignore")
 
-import megatron_branch as mb  # noqa: E402
-from megatron_branch import losses  # noqa: E402
+from megatron_branch import enable_cpu, losses  # noqa: E402
 from megatron_branch.agentic import Turn, assemble, group_turn_advantages  # noqa: E402
 from megatron_branch.distributed import init_distributed  # noqa: E402
 from megatron_branch.models import build_gpt, llama_config  # noqa: E402
-from megatron_branch.naive import batched_rollout_logprobs  # noqa: E402
-from megatron_branch.synthetic import sample_continuations  # noqa: E402
+from megatron_branch.plots import reward_curve  # noqa: E402
+from megatron_branch.synthetic import policy_update, sample_continuations  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -91,7 +90,7 @@ def turn_rewards(rollouts, args):
 
 
 def train(args, echo=print):
-    mb.enable_cpu()
+    enable_cpu()
     init_distributed()
     torch.manual_seed(args.seed)
     config = llama_config(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2)
@@ -113,17 +112,8 @@ def train(args, echo=print):
         def loss_fn(lp, ids):
             return losses.ppo_policy_loss(lp, lp.detach(), adv[ids], mask[ids], global_tokens=tokens)[0]
 
-        optimizer.zero_grad(set_to_none=True)
-        update_start = time.perf_counter()
-        if args.naive:
-            loss = loss_fn(batched_rollout_logprobs(model, batch.sequences), torch.arange(len(rollouts)))
-            loss.backward()
-            loss_value = float(loss)
-        else:
-            loss_value = mb.replay_step(model, tree, loss_fn, score_mask=mask).loss
-        update_seconds = time.perf_counter() - update_start
-        grad_norm = float(torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]).norm())
-        optimizer.step()
+        loss_value, grad_norm, update_seconds = policy_update(model, optimizer, batch.sequences, loss_fn,
+                                                             naive=args.naive, tree=tree, score_mask=mask)
         policy = rewards[:, 1::2]  # policy turns sit at odd turn indices
         history.append({"step": step, "reward": float(policy.mean()), "loss": loss_value, "grad_norm": grad_norm,
                         "update_seconds": update_seconds, "rollouts": len(rollouts),
@@ -138,27 +128,6 @@ def train(args, echo=print):
     return history
 
 
-def plot(history, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [h["step"] for h in history]
-    rewards = [h["reward"] for h in history]
-    window = max(1, len(rewards) // 20)
-    smooth = [sum(rewards[max(0, i - window + 1): i + 1]) / len(rewards[max(0, i - window + 1): i + 1])
-              for i in range(len(rewards))]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, rewards, alpha=0.3, label="policy-turn accuracy per step")
-    ax.plot(steps, smooth, label=f"moving mean ({window} steps)")
-    ax.set_xlabel("step"), ax.set_ylabel("reward"), ax.set_title("agentic GRPO (tool turns masked) + branch replay")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     history = train(args)
@@ -166,7 +135,8 @@ def main(argv=None) -> int:
         with open(args.log, "w") as f:
             json.dump(history, f)
     if args.plot:
-        plot(history, args.plot)
+        reward_curve(history, args.plot, "agentic GRPO (tool turns masked) + branch replay",
+                     "policy-turn accuracy per step")
         print(f"wrote {args.plot}")
     return 0
 

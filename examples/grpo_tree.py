@@ -25,8 +25,8 @@ import megatron_branch as mb  # noqa: E402
 from megatron_branch import losses  # noqa: E402
 from megatron_branch.distributed import init_distributed  # noqa: E402
 from megatron_branch.models import build_gpt, llama_config  # noqa: E402
-from megatron_branch.naive import batched_rollout_logprobs  # noqa: E402
-from megatron_branch.synthetic import sample_continuations  # noqa: E402
+from megatron_branch.plots import reward_curve  # noqa: E402
+from megatron_branch.synthetic import policy_update, sample_continuations  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -81,18 +81,9 @@ def train(args, echo=print):
         def loss_fn(lp, ids):
             return losses.ppo_policy_loss(lp, lp.detach(), adv[ids], mask[ids], global_tokens=tokens)[0]
 
-        optimizer.zero_grad(set_to_none=True)
-        update_start = time.perf_counter()
-        if args.naive:
-            loss_value = loss_fn(batched_rollout_logprobs(model, seqs), torch.arange(len(seqs)))
-            loss_value.backward()
-            loss_value = float(loss_value)
-        else:
-            tree = mb.BranchTree.from_sequences(seqs, vocab_size=args.vocab)
-            loss_value = mb.replay_step(model, tree, loss_fn).loss
-        update_seconds = time.perf_counter() - update_start
-        grad_norm = float(torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]).norm())
-        optimizer.step()
+        tree = None if args.naive else mb.BranchTree.from_sequences(seqs, vocab_size=args.vocab)
+        loss_value, grad_norm, update_seconds = policy_update(model, optimizer, seqs, loss_fn, naive=args.naive,
+                                                             tree=tree)
         history.append({"step": step, "reward": float(rewards.mean()), "loss": loss_value, "grad_norm": grad_norm,
                         "update_seconds": update_seconds})
         if step % 20 == 0 or step == args.steps - 1:
@@ -104,27 +95,6 @@ def train(args, echo=print):
     return history
 
 
-def plot(history, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [h["step"] for h in history]
-    rewards = [h["reward"] for h in history]
-    window = max(1, len(rewards) // 20)
-    smooth = [sum(rewards[max(0, i - window + 1): i + 1]) / len(rewards[max(0, i - window + 1): i + 1])
-              for i in range(len(rewards))]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, rewards, alpha=0.3, label="mean reward per step")
-    ax.plot(steps, smooth, label=f"moving mean ({window} steps)")
-    ax.set_xlabel("step"), ax.set_ylabel("reward"), ax.set_title("GRPO with tree sampling + branch replay")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     history = train(args)
@@ -132,7 +102,7 @@ def main(argv=None) -> int:
         with open(args.log, "w") as f:
             json.dump(history, f)
     if args.plot:
-        plot(history, args.plot)
+        reward_curve(history, args.plot, "GRPO with tree sampling + branch replay")
         print(f"wrote {args.plot}")
     return 0
 

@@ -91,3 +91,30 @@ def sample_continuations(model, prefixes: Sequence[torch.Tensor], length: int, g
         nxt = torch.multinomial(torch.softmax(last[:, :vocab_size], -1), 1, generator=generator)[:, 0]
         seqs = [torch.cat([s, n.view(1)]) for s, n in zip(seqs, nxt)]
     return seqs
+
+
+def policy_update(model, optimizer, sequences, loss_fn, *, naive: bool, tree=None, score_mask=None):
+    """One update of the toy RL examples: ``loss_fn(lp [R, T], ids [R])`` on every rollout,
+    either in full (a padded causal batch: the naive computation) or by one exact branch
+    replay step over ``tree``; then the optimizer steps.
+
+    Returns:
+        ``(loss, grad_norm, seconds)``: the loss, the gradient norm before the step, and the
+        time of forward, backward and step (sampling excluded).
+    """
+    import time
+
+    from megatron_branch.naive import batched_rollout_logprobs
+    from megatron_branch.replay import replay_step
+
+    optimizer.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    if naive:
+        loss = loss_fn(batched_rollout_logprobs(model, sequences), torch.arange(len(sequences)))
+        loss.backward()
+        value = float(loss)
+    else:
+        value = replay_step(model, tree, loss_fn, score_mask=score_mask).loss
+    grad_norm = float(torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]).norm())
+    optimizer.step()
+    return value, grad_norm, time.perf_counter() - start
