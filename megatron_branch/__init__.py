@@ -32,7 +32,10 @@ _EXPORTS = {
     "replay_step": "megatron_branch.replay",
     "rollout_logprobs": "megatron_branch.logprobs",
 }
-_SUBMODULES = {"hf", "losses", "context_parallel", "parallel", "pipeline", "models", "logprobs", "replay", "training"}
+_SUBMODULES = {
+    "agentic", "context_parallel", "hf", "logprobs", "losses", "models", "moe", "parallel", "pipeline", "replay",
+    "training",
+}
 
 
 def __getattr__(name: str) -> Any:

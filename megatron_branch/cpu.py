@@ -37,6 +37,10 @@ Patched points (megatron-core 0.16.1, torch 2.13 CPU build):
   (expert parallelism) creates a side stream for its device-to-host copies at
   construction and enters it, records an event and synchronizes on it every forward: the
   CPU's one implicit stream stands in (:class:`_CpuStream`; its events do nothing).
+* ``token_dispatcher.maybe_move_tensor_to_cpu`` — the all-to-all dispatcher moves its
+  split sizes to the host "as numpy" only when they are CUDA tensors; on CPU they stay
+  tensors, which ``torch.distributed.all_to_all_single`` rejects as split sizes. The shim
+  converts host tensors too when numpy is asked for (what the GPU path returns).
 
 Two scoped context managers add what else a caller needs: :func:`cuda_factories_on_cpu`
 (``device="cuda"`` factories and CUDA type checks in megatron-core's schedules and
@@ -217,6 +221,17 @@ def enable_cpu(seed: int = 1234) -> List[str]:
     torch.cuda.Stream = _CpuStream
     torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
     _APPLIED.append("torch.cuda.Stream/stream->CPU stream (MoE all-to-all dispatcher)")
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def _to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original_to_cpu(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = _to_host
+    _APPLIED.append("token_dispatcher.maybe_move_tensor_to_cpu: host split sizes as numpy")
     return list(_APPLIED)
 
 

@@ -8,7 +8,8 @@ GPTModel reads it: the layer (or, for MoE layer patterns, block) spec Megatron-L
 have built without ``--spec`` — ``--normalization``, ``--qk-layernorm``,
 ``--num-experts``/``--moe-layer-freq``/``--moe-grouped-gemm``,
 ``--transformer-impl``, ... — with tree attention in every layer
-(:func:`megatron_branch.spec.apply_branch_attention`). Model dimensions (``--kv-channels``
+(:func:`megatron_branch.spec.apply_branch_attention`), and for MoE the routers that keep
+naive-batch statistics (:func:`megatron_branch.moe.apply_branch_moe`). Model dimensions (``--kv-channels``
 and the rest) live in the ``TransformerConfig``, which Megatron-LM builds as usual.
 
 Use :func:`branch_spec_from_args` to build the spec yourself (e.g. in a model provider).
@@ -72,7 +73,13 @@ def branch_spec_from_args(args, config=None, vp_stage: Optional[int] = None):
             qk_layernorm=args.qk_layernorm, moe_grouped_gemm=getattr(args, "moe_grouped_gemm", False))
     else:
         base = specs.get_gpt_layer_local_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm)
-    return apply_branch_attention(base)
+    spec = apply_branch_attention(base)
+    if getattr(args, "num_experts", None):
+        from megatron_branch.moe import apply_branch_moe
+
+        # router statistics weighted by multiplicity (naive-batch aux/z losses and counts)
+        spec = apply_branch_moe(spec)
+    return spec
 
 
 class ArgsBranchSpec(ModuleSpec):

@@ -60,6 +60,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import logging
+import re
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
@@ -89,49 +91,71 @@ AUX_LOSSES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
 
 
 # --------------------------------------------------------------------------- tree sums
-def _rollout_ends(tree: BranchTree) -> Tensor:
-    """``[R]`` packed index of each rollout's last token."""
-    return tree.rows.gather(1, (tree.lengths - 1).clamp(min=0)[:, None])[:, 0]
+class TreeSums:
+    """Sums between the tokens ``index`` of one forward and the tree's rollouts.
+
+    Rollout ``r`` contains token ``u`` iff ``u <= end_r <= last[u]`` (DFS preorder), so
+    both directions are prefix sums read at positions found by binary search, computed
+    once per forward and shared by every layer: ``O((n + R) E)`` per sum, no per-rollout
+    gather over the naive positions.
+
+    Args:
+        index: ``[n]`` packed indices of the tokens (ascending; ``-1`` = padding, ignored).
+        tree: the packed tree.
+    """
+
+    def __init__(self, index: Tensor, tree: BranchTree):
+        index = index.cpu()
+        self.valid = index >= 0
+        idx = index[self.valid]
+        ends = tree.rows.gather(1, (tree.lengths - 1).clamp(min=0)[:, None])[:, 0]  # [R] last token
+        # rollout sums: +values[u] at u, -values[u] at last[u] + 1, read at end_r
+        minus = tree.last[idx] + 1
+        self.minus_order = torch.argsort(minus)
+        self.n_plus = torch.searchsorted(idx.contiguous(), ends, right=True)
+        self.n_minus = torch.searchsorted(minus[self.minus_order].contiguous(), ends, right=True)
+        # subtree sums: the rollouts ending in [u, last[u]] are a range of the sorted ends
+        ends_sorted, self.end_order = torch.sort(ends)
+        self.lo = torch.searchsorted(ends_sorted, idx)
+        self.hi = torch.searchsorted(ends_sorted, tree.last[idx], right=True)
+        self._on = {}
+
+    def _index(self, name: str, device) -> Tensor:
+        key = (name, str(device))
+        if key not in self._on:
+            self._on[key] = getattr(self, name).to(device)
+        return self._on[key]
+
+    def per_rollout(self, values: Tensor) -> Tensor:
+        """``[R, E]``: each rollout's sum of ``values [n, E]`` over its tokens among ``index``."""
+        dev = values.device
+        vals = values[self._index("valid", dev)].double()
+        zero = vals.new_zeros(1, vals.shape[1])
+        plus = torch.cat([zero, vals.cumsum(0)])
+        minus = torch.cat([zero, vals[self._index("minus_order", dev)].cumsum(0)])
+        return plus[self._index("n_plus", dev)] - minus[self._index("n_minus", dev)]
+
+    def per_token(self, per_rollout: Tensor) -> Tensor:
+        """``[n, E]``: for each token, the sum of ``per_rollout [R, E]`` over the rollouts
+        that contain it; 0 on padding."""
+        dev = per_rollout.device
+        cum = torch.cat([per_rollout.new_zeros(1, per_rollout.shape[1], dtype=torch.float64),
+                         per_rollout[self._index("end_order", dev)].double().cumsum(0)])
+        out = cum.new_zeros(self.valid.numel(), per_rollout.shape[1])
+        out[self._index("valid", dev)] = cum[self._index("hi", dev)] - cum[self._index("lo", dev)]
+        return out
 
 
 def rollout_sums(values: Tensor, index: Tensor, tree: BranchTree) -> Tensor:
-    """``[R, E]``: for every rollout, the sum of ``values`` over its tokens among ``index``.
-
-    Args:
-        values: ``[n, E]`` per-token values.
-        index: ``[n]`` packed indices of those tokens (ascending; ``-1`` = padding, ignored).
-        tree: the packed tree.
-
-    A token ``u`` lies on rollout ``r`` iff ``u <= end_r <= last[u]`` (DFS preorder), so
-    the sum is a prefix sum of ``+values[u]`` at ``u`` and ``-values[u]`` at
-    ``last[u] + 1``, read at ``end_r``: ``O((n + R) E)``, no per-rollout gather.
-    """
-    valid = index >= 0
-    idx, vals = index[valid].cpu(), values[valid].double().cpu()
-    ends = _rollout_ends(tree)
-    minus = tree.last[idx] + 1
-    order = torch.argsort(minus)
-    zero = vals.new_zeros(1, vals.shape[1])
-    plus_sum = torch.cat([zero, vals.cumsum(0)])
-    minus_sum = torch.cat([zero, vals[order].cumsum(0)])
-    n_plus = torch.searchsorted(idx, ends, right=True)
-    n_minus = torch.searchsorted(minus[order].contiguous(), ends, right=True)
-    return (plus_sum[n_plus] - minus_sum[n_minus]).to(values.device)
+    """``[R, E]``: for every rollout, the sum of ``values [n, E]`` over its tokens among
+    ``index [n]`` (:class:`TreeSums`)."""
+    return TreeSums(index, tree).per_rollout(values)
 
 
 def subtree_rollout_sums(per_rollout: Tensor, index: Tensor, tree: BranchTree) -> Tensor:
-    """``[n, E]``: for every token of ``index``, the sum of ``per_rollout`` over the rollouts
-    that contain it (those ending inside its subtree ``[u, last[u]]``); 0 on padding."""
-    valid = index >= 0
-    idx = index[valid].cpu()
-    ends = _rollout_ends(tree)
-    ends_sorted, order = torch.sort(ends)
-    cum = torch.cat([per_rollout.new_zeros(1, per_rollout.shape[1]), per_rollout[order].double().cumsum(0)])
-    lo = torch.searchsorted(ends_sorted, idx)
-    hi = torch.searchsorted(ends_sorted, tree.last[idx], right=True)
-    out = per_rollout.new_zeros(index.numel(), per_rollout.shape[1], dtype=torch.float64)
-    out[valid.to(out.device)] = (cum[hi] - cum[lo]).to(out.device)
-    return out
+    """``[n, E]``: for every token of ``index``, the sum of ``per_rollout [R, E]`` over the
+    rollouts that contain it (those ending inside its subtree); 0 on padding."""
+    return TreeSums(index, tree).per_token(per_rollout)
 
 
 # --------------------------------------------------------------------------- per-forward data
@@ -152,6 +176,14 @@ class TreeTokens:
     weights: Tensor
     index: Tensor
     complete: bool
+    _sums: Optional[TreeSums] = field(default=None, repr=False)
+
+    @property
+    def sums(self) -> TreeSums:
+        """Token <-> rollout sums of these tokens (built on first use, shared by all layers)."""
+        if self._sums is None:
+            self._sums = TreeSums(self.index, self.tree)
+        return self._sums
 
     @property
     def total(self) -> float:
@@ -207,7 +239,7 @@ class RoutingStatistics:
                 entry = self.layers[id(router)] = _LayerCounts(
                     rmap.new_zeros(num), rmap.new_zeros(self.tree.num_rollouts, num))
             entry.experts += (rmap * tokens.weights.double()[:, None]).sum(0)
-            entry.rollouts += rollout_sums(rmap, tokens.index, self.tree)
+            entry.rollouts += tokens.sums.per_rollout(rmap).to(entry.rollouts.device)
 
     def finish(self, routers: Sequence["BranchTopKRouter"]) -> None:
         """Sum the counts over each router's TP x CP group (and DP for the global aux loss)."""
@@ -266,13 +298,13 @@ class BranchTopKRouter(TopKRouter):
     def _num_layers(self) -> int:
         return self.config.num_layers + (self.config.mtp_num_layers or 0)
 
-    def _per_token(self, tokens: TreeTokens, tp_cp: int, per_micro_batch: bool = True) -> float:
-        """Megatron's ``calculate_per_token_loss`` factor: the naive micro-batch's token
-        count on this rank (an even split over TP x CP), as the installed release scales it."""
+    def _per_token(self, tokens: TreeTokens, tp_cp: int) -> float:
+        """Megatron's ``calculate_per_token_loss`` factor of the z-loss: the naive
+        micro-batch's token count on this rank (an even split over TP x CP), as the
+        installed release scales it."""
         if not self.config.calculate_per_token_loss:
             return 1.0
-        local = tokens.total / tp_cp if per_micro_batch else tokens.total / (tp_cp * tokens.tree.num_rollouts)
-        return local * (tp_cp if MOE_PER_TOKEN_SCALE_TIMES_TP_CP else 1)
+        return tokens.total / tp_cp * (tp_cp if MOE_PER_TOKEN_SCALE_TIMES_TP_CP else 1)
 
     def _statistics(self, tokens: TreeTokens) -> _LayerCounts:
         stats = self._stats
@@ -298,7 +330,7 @@ class BranchTopKRouter(TopKRouter):
     def _rollout_counts(self, tokens: TreeTokens, routing_map: Tensor) -> Tensor:
         if not tokens.complete:
             return self._statistics(tokens).rollouts
-        return _all_reduce(rollout_sums(routing_map.double(), tokens.index, tokens.tree), self.tp_cp_group)
+        return _all_reduce(tokens.sums.per_rollout(routing_map.double()), self.tp_cp_group)
 
     # -- the hooks TopKRouter.routing calls
     def routing(self, logits: Tensor, padding_mask: Optional[Tensor] = None):
@@ -353,7 +385,7 @@ class BranchTopKRouter(TopKRouter):
         num, total, rollouts = self.config.num_moe_experts, tokens.total, tokens.tree.num_rollouts
         per_rollout = self._rollout_counts(tokens, routing_map)  # [R, E]
         # [n, E]: sum of F_re over the rollouts r containing each token
-        weight = subtree_rollout_sums(per_rollout, tokens.index, tokens.tree).to(scores_for_aux_loss.dtype)
+        weight = tokens.sums.per_token(per_rollout.to(scores_for_aux_loss.device)).to(scores_for_aux_loss.dtype)
         aux = (scores_for_aux_loss * weight).sum() * (num * coeff * rollouts / (self.topk * total * total))
         tp_cp = self.tp_cp_group.size()
         valid = total / tp_cp if MOE_SEQ_AUX_COUNTS_MICRO_BATCH else total / (tp_cp * rollouts)
@@ -428,16 +460,18 @@ class BranchMoELayer(MoELayer):
     def __init__(self, *args, token_dropping: str = "refuse", **kwargs):
         if token_dropping not in TOKEN_DROPPING:
             raise ValueError(f"moe_token_dropping: {token_dropping!r} is not one of {TOKEN_DROPPING}")
-        super().__init__(*args, **kwargs)
-        if self.config.moe_expert_capacity_factor is not None and token_dropping == "refuse":
+        config = kwargs.get("config", args[0] if args else None)
+        capacity = getattr(config, "moe_expert_capacity_factor", None)
+        if capacity is not None and token_dropping == "refuse":
             raise ValueError(
-                f"moe_expert_capacity_factor={self.config.moe_expert_capacity_factor}: token dropping cannot be "
+                f"moe_expert_capacity_factor={capacity}: token dropping cannot be "
                 "exact under branch replay. An expert keeps at most capacity = factor x tokens x top-k / experts "
                 "tokens of the micro-batch and which ones it drops depends on all the others; the tree holds "
                 "the unique tokens (fewer, each shared one once), so capacity and dropped set differ from the "
                 "naive batch. Use dropless routing (moe_expert_capacity_factor=None), or opt in with "
                 "get_branch_layer_spec(..., moe_token_dropping='approximate') and measure the bias with "
                 "megatron_branch.moe.token_dropping_bias")
+        super().__init__(*args, **kwargs)
         self.token_dropping = token_dropping
         self._params: Optional[BranchPackedSeqParams] = None
 
@@ -479,8 +513,36 @@ class BranchMoELayer(MoELayer):
             self.moe_layer_recompute = recompute
 
 
+class _QuietUnknownMlp(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Unknown MLP type")
+
+
 class _TreeToMoE:
     """Layer mixin: passes the forward's ``packed_seq_params`` to a :class:`BranchMoELayer`."""
+
+    def __init__(self, *args, **kwargs):
+        sub = kwargs.get("submodules")
+        mlp = getattr(sub, "mlp", None)
+        branch_moe = isinstance(mlp, ModuleSpec) and isinstance(mlp.module, type) and issubclass(
+            mlp.module, BranchMoELayer)
+        if not branch_moe:
+            super().__init__(*args, **kwargs)
+            return
+        # megatron-core 0.16's TransformerLayer passes its process groups only to MLP classes
+        # it knows by identity (MoELayer, not a subclass) and warns: hand them over here.
+        if kwargs.get("pg_collection") is not None:
+            sub, mlp = copy.copy(sub), copy.copy(mlp)
+            mlp.params = {**mlp.params, "pg_collection": kwargs["pg_collection"]}
+            sub.mlp = mlp
+            kwargs["submodules"] = sub
+        layer_logger = logging.getLogger(TransformerLayer.__module__)
+        quiet = _QuietUnknownMlp()
+        layer_logger.addFilter(quiet)
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            layer_logger.removeFilter(quiet)
 
     def forward(self, *args, **kwargs):
         mlp = getattr(self, "mlp", None)
@@ -625,16 +687,49 @@ def needs_routing_statistics(model, tree: BranchTree, max_chunk_tokens: Optional
     return sum(op.kind in ("stem", "chunk") for op in plan_replay(tree, max_chunk_tokens)) > 1
 
 
+def check_expert_parallel_plan(tree: BranchTree, max_chunk_tokens: Optional[int], group_ids=None,
+                               **step_kwargs) -> None:
+    """Raise unless every rank of the expert-parallel group runs the same sequence of
+    forwards and backwards (every MoE forward is an all-to-all over the EP group, so a
+    rank with more or fewer units would hang the others). Collective over the EP group.
+
+    Raises:
+        ValueError: the ranks' replay plans differ (EP across data-parallel ranks whose
+            trees split into different units): use one packed pass
+            (``max_chunk_tokens=None``), or trees and budgets that give equal plans.
+    """
+    from megatron_branch.replay.plan import plan_replay
+
+    ep_group, _ = _expert_groups()
+    if ep_group is None or ep_group.size() == 1:
+        return
+    ops = plan_replay(tree, max_chunk_tokens, group_ids)
+    mine = (tuple(op.kind for op in ops), bool(step_kwargs.get("recompute_stem", False)),
+            step_kwargs.get("prefix_grad", "exact"))
+    plans = [None] * ep_group.size()
+    torch.distributed.all_gather_object(plans, mine, group=ep_group)
+    if any(plan != mine for plan in plans):
+        counts = [f"{sum(k != 'pop' for k in plan[0])} units" for plan in plans]
+        raise ValueError(
+            f"expert parallelism: the ranks of the EP group would run different replay plans ({', '.join(counts)}); "
+            "each MoE forward is an all-to-all over the group, so every rank must run the same sequence of "
+            "forwards and backwards. Use max_chunk_tokens=None (one packed pass per tree) or trees and budgets "
+            "with equal plans on every rank of the group")
+
+
 def replay_step(model, tree: BranchTree, loss_fn, *, statistics: Optional[RoutingStatistics] = None,
                 max_chunk_tokens: Optional[int] = None, group_ids=None, **kwargs):
     """:func:`megatron_branch.replay_step` with naive-batch MoE aux losses at any budget.
 
     When the step forwards the tree in parts and an aux loss is on, the routers' counts
     are collected first (``statistics``, or one forward-only pass), then the step runs
-    with them bound. Takes and returns what ``megatron_branch.replay_step`` does.
+    with them bound. Under expert parallelism the ranks' plans are checked to match first
+    (:func:`check_expert_parallel_plan`). Takes and returns what
+    ``megatron_branch.replay_step`` does.
     """
     from megatron_branch.replay import replay_step as _replay_step
 
+    check_expert_parallel_plan(tree, max_chunk_tokens, group_ids, **kwargs)
     if statistics is None and needs_routing_statistics(model, tree, max_chunk_tokens):
         cp_comm = {k: kwargs[k] for k in ("cp_comm_type",) if k in kwargs}
         statistics, _ = collect_routing_statistics(model, tree, max_chunk_tokens=max_chunk_tokens, **cp_comm)
@@ -731,3 +826,104 @@ def token_dropping_bias(branch_model, stock_model, sequences: Sequence, loss_fn)
         "dropped_tree": 1.0 - kept_tree / assigned,
         "dropped_naive": 1.0 - kept_naive / assigned,
     }
+
+
+# --------------------------------------------------------------------------- EP-aware weights
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+
+
+def _expert_groups():
+    from megatron_branch._megatron import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None, None
+    return (parallel_state.get_expert_model_parallel_group(),
+            parallel_state.get_expert_tensor_parallel_group())
+
+
+def _global_expert_name(name: str, ep_rank: int, num_local: int) -> str:
+    m = _LOCAL_EXPERT.match(name)
+    return f"{m.group(1)}{ep_rank * num_local + int(m.group(2))}{m.group(3)}"
+
+
+def _num_local_experts(model) -> int:
+    from megatron_branch.scoring import unwrap
+
+    config = unwrap(model).config
+    ep_group, _ = _expert_groups()
+    return config.num_moe_experts // (ep_group.size() if ep_group is not None else 1)
+
+
+def full_state(model, which: str = "grad") -> Dict[str, Tensor]:
+    """:func:`megatron_branch.parallel.full_state` for MoE models under expert parallelism:
+    every parameter or gradient unsharded under stock names, experts numbered globally
+    (``local_experts.{ep_rank * local + i}``) and joined over expert TP. Collective over
+    TP, PP, EP and expert-TP. Sequential experts (``moe_grouped_gemm=False``) only."""
+    from megatron_branch._megatron import parallel_state
+    from megatron_branch.parallel import _global_name, _join_tp, _size, _tied_copy
+    from megatron_branch.scoring import unwrap
+    from megatron_branch.training.ddp import param_grad
+
+    gpt = unwrap(model)
+    config = gpt.config
+    ep_group, etp_group = _expert_groups()
+    ep_rank = ep_group.rank() if ep_group is not None else 0
+    num_local = _num_local_experts(model)
+    tp_group = parallel_state.get_tensor_model_parallel_group() if ep_group is not None else None
+    plain: Dict[str, Tensor] = {}
+    experts: Dict[str, Tensor] = {}
+    for name, p in gpt.named_parameters():
+        if _tied_copy(name, p):
+            continue
+        value = p.data if which == "param" else (param_grad(p) if param_grad(p) is not None else torch.zeros_like(p))
+        value = value.detach()
+        if _LOCAL_EXPERT.match(name):
+            if re.search(r"\.(weight|bias)\d+$", name):
+                raise ValueError(f"{name}: grouped expert weights are not supported (use moe_grouped_gemm=False)")
+            value = _join_tp(name, value, p, config, etp_group)
+            experts[_global_expert_name(_global_name(model, name), ep_rank, num_local)] = value.to(
+                "cpu", torch.float32, copy=True)
+        else:
+            plain[_global_name(model, name)] = _join_tp(name, value, p, config, tp_group).to(
+                "cpu", torch.float32, copy=True)
+    if ep_group is not None and _size(ep_group) > 1:
+        parts = [None] * _size(ep_group)
+        torch.distributed.all_gather_object(parts, experts, group=ep_group)
+        for part in parts:
+            experts.update(part)
+    plain.update(experts)
+    pp_group = parallel_state.get_pipeline_model_parallel_group() if ep_group is not None else None
+    if pp_group is not None and _size(pp_group) > 1:
+        stages = [None] * _size(pp_group)
+        torch.distributed.all_gather_object(stages, plain, group=pp_group)
+        for stage in stages:
+            plain.update(stage)
+    return plain
+
+
+def load_full_state(model, state: Dict[str, Tensor]) -> None:
+    """:func:`megatron_branch.parallel.load_full_state` for MoE models under expert
+    parallelism: each rank takes its own experts (and their expert-TP slice)."""
+    from megatron_branch._megatron import parallel_state
+    from megatron_branch.parallel import _EMBEDDING, _global_name, _split_tp, _tied_copy
+    from megatron_branch.scoring import unwrap
+
+    gpt = unwrap(model)
+    config = gpt.config
+    ep_group, etp_group = _expert_groups()
+    ep_rank = ep_group.rank() if ep_group is not None else 0
+    num_local = _num_local_experts(model)
+    tp_group = parallel_state.get_tensor_model_parallel_group() if ep_group is not None else None
+    with torch.no_grad():
+        for name, p in gpt.named_parameters():
+            key = _EMBEDDING if _tied_copy(name, p) else _global_name(model, name)
+            expert = _LOCAL_EXPERT.match(name) is not None
+            if expert:
+                key = _global_expert_name(key, ep_rank, num_local)
+            if key not in state:
+                raise ValueError(f"state: missing parameter {key!r}")
+            local = _split_tp(name, state[key], p, config, etp_group if expert else tp_group)
+            if local.shape != p.shape:
+                raise ValueError(f"state: {key!r} has shape {tuple(local.shape)} on this rank, "
+                                 f"expected {tuple(p.shape)}")
+            p.copy_(local)

@@ -135,3 +135,115 @@ def hf_worker(rank, world, port, ckpt, sequences, out_dir):
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- Mixture of Experts (EP)
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96, moe_token_dispatcher_type="alltoall",
+           moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"], moe_aux_loss_coeff=[0.01, 0.02],
+           moe_z_loss_coeff=1e-3)
+MOE_TREES = {"a": "multi_level", "b": "forest"}
+
+
+def build_moe(tp=1, ep=1, sp=False):
+    """The MoE model (alltoall dispatcher). Megatron DDP then averages over DP; the per-token
+    loss mode is left off here: megatron-core 0.16 scales router losses by the rank's token
+    count under it, which changes with the TP/CP split (tested in one process instead)."""
+    from megatron_branch.models import build_gpt, llama_config
+
+    config = llama_config(**MODEL, **MOE, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                          expert_tensor_parallel_size=1, sequence_parallel=sp)
+    return build_gpt(config, VOCAB, seed=0, spec_kwargs=dict(num_experts=MOE["num_moe_experts"],
+                                                            moe_grouped_gemm=False))
+
+
+def run_moe_case(model, name, chunk):
+    """One MoE replay step on a Megatron-DDP-wrapped model (``megatron_branch.moe.replay_step``) reduced by Megatron's
+    ``finalize_model_grads``; returns unsharded gradients (experts numbered globally), the
+    log-probs, Megatron's logged router losses and the per-expert token counts, the last
+    two summed over TP x CP (the z-loss averaged), as Megatron's report reduces them."""
+    from megatron_branch import moe, rollout_logprobs
+    from megatron_branch._megatron import (clear_moe_logged_metrics, finalize_model_grads, moe_logged_metrics,
+                                           parallel_state)
+    from megatron_branch.cpu import cuda_factories_on_cpu
+
+    batch, tree = trees()[MOE_TREES[name]]
+    loss_fn = make_loss(batch)
+    model.zero_grad_buffer()
+    clear_moe_logged_metrics()
+    moe.tokens_per_expert(model, reset=True)
+    moe.replay_step(model, tree, loss_fn, max_chunk_tokens=chunk)
+    logged = {k: v.clone() for k, v in moe_logged_metrics().items() if v.abs().sum() > 0}
+    counts = moe.tokens_per_expert(model, reset=True)
+    with torch.no_grad():
+        lp = rollout_logprobs(model, tree)
+    with cuda_factories_on_cpu():
+        finalize_model_grads([model])
+    group = parallel_state.get_tensor_and_context_parallel_group()
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(counts, group=group)
+        for name_, values in logged.items():
+            dist.all_reduce(values, group=group)
+            if name_ == "z_loss":
+                values /= dist.get_world_size(group)
+    return {"grads": moe.full_state(model, "grad"), "lp": lp, "logged": logged, "counts": counts}
+
+
+def moe_worker(rank, world, port, layout, cases, weights, out_dir):
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import megatron_branch as mb
+    from megatron_branch import moe
+    from megatron_branch._megatron import MoEAuxLossAutoScaler, parallel_state
+    from megatron_branch.training import wrap_ddp
+
+    mb.enable_cpu()
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=layout["tp"], expert_model_parallel_size=layout["ep"],
+            expert_tensor_parallel_size=1)
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+        model = build_moe(layout["tp"], layout["ep"], layout.get("sp", False))
+        moe.load_full_state(model, torch.load(weights))
+        model = wrap_ddp(model)
+        dp_rank = parallel_state.get_data_parallel_rank()
+        results = {}
+        for i, (names, chunk) in enumerate(cases):  # names[dp_rank]: this data-parallel rank's tree
+            try:
+                results[i] = run_moe_case(model, names[dp_rank], chunk)
+            except ValueError as exc:  # a refusal the test expects; every rank raises it
+                results[i] = {"error": str(exc)}
+        torch.save(results, os.path.join(out_dir, f"moe{rank}.pt"))
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def spawn_moe(layout, cases, weights, out_dir, port):
+    world = max(layout["tp"], layout["ep"])  # expert parallelism over the TP ranks, or over DP
+    mp.spawn(moe_worker, args=(world, port, layout, cases, weights, out_dir), nprocs=world, join=True)
+    return [torch.load(os.path.join(out_dir, f"moe{r}.pt")) for r in range(world)]
+
+
+def hf_moe_worker(rank, world, port, ckpt, hf_config, sequences, out_dir):
+    """Load a converted MoE checkpoint with EP=world (experts split over the ranks), save the
+    per-rollout log-probs and the weights ``export_hf_state`` gathers back under HF names."""
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import megatron_branch as mb
+    from megatron_branch._megatron import parallel_state
+    from megatron_branch.hf import export_hf_state
+    from megatron_branch.hf.convert import load_megatron
+
+    mb.enable_cpu()
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
+        model, _ = load_megatron(ckpt)
+        assert len(model.decoder.layers[0].mlp.experts.local_experts) == model.config.num_moe_experts // world
+        with torch.no_grad():
+            lp = mb.rollout_logprobs(model, mb.BranchTree.from_sequences(sequences))
+        torch.save({"lp": lp, "state": export_hf_state(model, hf_config)}, os.path.join(out_dir, f"hf_moe{rank}.pt"))
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()

@@ -68,3 +68,19 @@ def test_bench_cp_tiny():
     assert sum(rows[(2, "p2p")]["bytes_sent_per_rank"]) < sum(rows[(2, "allgather")]["bytes_sent_per_rank"])
     assert sum(rows[(2, "p2p")]["attention_pairs"]) == sum(rows[(1, "allgather")]["attention_pairs"])
     assert "MB sent" in format_table(report)
+
+
+def test_moe_shape_is_exact_and_reports_the_ideal_ratio():
+    cfg = BenchConfig(hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=128, chunk_tokens=48,
+                      repeats=1, moe_experts=4, moe_topk=2,
+                      shapes=[Shape("MoE 4x top-2, G=4", [64], [4], [16], moe=True)])
+    report = run_bench(cfg, methods=["naive", "prompt_once", "ours", "ours_stream"], echo=lambda *_: None)
+    shape = report["shapes"][0]
+    rows = {r["method"]: r for r in shape["methods"]}
+    assert set(rows) == {"naive", "prompt_once", "ours", "ours_stream"}
+    assert shape["ideal_flop_ratio"] > 1
+    for r in rows.values():
+        # router statistics weighted by multiplicity: every method equals the naive MoE batch
+        assert r["max_rel_grad_diff"] < 1e-5, r
+        assert r["speedup"] > 0 and "fraction_of_ideal" in r
+    assert "MoE 4x top-2" in format_table(report)

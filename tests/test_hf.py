@@ -24,6 +24,11 @@ ARCHS = {
     "llama_tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"tie_word_embeddings": True}),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 32}),
+    # Mixture of Experts: softmax -> top-k (Qwen3-MoE, no renormalisation) and renormalised top-k (Mixtral)
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                  {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48}),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 
 
@@ -35,6 +40,8 @@ def make_hf(tmp_path, arch):
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.normal_(1.0 if "norm" in name else 0.0, 0.5)
+            elif name.endswith("mlp.gate.weight"):  # MoE router: well-separated top-k choices
+                p.normal_(0.0, 1.0)
     path = tmp_path / f"hf-{arch}"
     model.save_pretrained(path)
     return model, str(path)
@@ -64,7 +71,7 @@ def test_imported_model_matches_transformers_on_a_branching_tree(arch, tmp_path)
     assert (lp - hf_logprobs(hf, BATCH.sequences)).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama_tied"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama_tied", "qwen3_moe", "mixtral"])
 def test_round_trip_is_bit_exact_and_loads_in_transformers(arch, tmp_path):
     hf, hf_dir = make_hf(tmp_path, arch)
     import_hf(hf_dir, str(tmp_path / "mg"))
@@ -172,3 +179,39 @@ def test_sliding_window_is_refused():
     with pytest.raises(ValueError, match="sliding_window=4096"):
         megatron_args_from_hf(cfg)
     assert megatron_args_from_hf(dict(cfg, sliding_window=None))[0]["num_layers"] == 2
+
+
+def test_moe_in_memory_load_and_export(tmp_path):
+    hf, hf_dir = make_hf(tmp_path, "qwen3_moe")
+    model, config = mb.hf.load_gpt_from_hf(hf_dir)
+    assert config.num_moe_experts == 4 and config.moe_router_pre_softmax  # norm_topk_prob=false
+    with torch.no_grad():
+        lp = mb.rollout_logprobs(model, mb.BranchTree.from_sequences(BATCH.sequences))
+    assert (lp - hf_logprobs(hf, BATCH.sequences)).abs().max() < 1e-5
+    state = mb.hf.export_hf_state(model, json.load(open(os.path.join(hf_dir, "config.json"))))
+    original = load_file(os.path.join(hf_dir, "model.safetensors"))
+    assert set(state) == set(original) and all(torch.equal(state[k], original[k]) for k in original)
+
+
+def test_moe_dense_layers_are_refused():
+    cfg = dict(COMMON, architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
+               moe_intermediate_size=48, mlp_only_layers=[1])
+    with pytest.raises(ValueError, match="dense layers"):
+        megatron_args_from_hf(cfg)
+    args, _ = megatron_args_from_hf(dict(cfg, mlp_only_layers=[], norm_topk_prob=True))
+    assert args["num_moe_experts"] == 4 and args["moe_ffn_hidden_size"] == 48 and not args["moe_router_pre_softmax"]
+
+
+def test_moe_checkpoint_loads_expert_parallel(tmp_path):
+    hf, hf_dir = make_hf(tmp_path, "mixtral")
+    import_hf(hf_dir, str(tmp_path / "mg"))
+    hf_cfg = json.load(open(os.path.join(hf_dir, "config.json")))
+    mp.spawn(dist_worker.hf_moe_worker, args=(2, free_port(), str(tmp_path / "mg"), hf_cfg, BATCH.sequences,
+                                              str(tmp_path)), nprocs=2, join=True)
+    ref = hf_logprobs(hf, BATCH.sequences)
+    original = load_file(os.path.join(hf_dir, "model.safetensors"))
+    for rank in range(2):
+        out = torch.load(tmp_path / f"hf_moe{rank}.pt")
+        assert (out["lp"] - ref).abs().max() < 1e-5
+        assert set(out["state"]) == set(original)
+        assert all(torch.equal(out["state"][k], original[k]) for k in original)

@@ -103,3 +103,49 @@ def test_memory_model_within_20_percent_of_measured_cpu_peak():
     rows = validate_on_cpu([CASES[0], CASES[2]])
     for row in rows:
         assert abs(row["error"]) <= 0.20, row
+
+
+TINY_MOE = ModelSpec("tiny-moe", num_layers=2, hidden_size=8, num_attention_heads=2, num_kv_heads=1,
+                     ffn_hidden_size=2 * 4, vocab_size=10, num_experts=4, experts_per_token=2, moe_ffn_hidden_size=4)
+
+
+def test_moe_params_and_memory_by_hand():
+    # attention 192, router 4*8, norms 16; experts 4 x 3*8*4 = 384 of which 2 x 96 active
+    assert TINY_MOE.dense_params_per_layer() == 192 + 32 + 16
+    assert TINY_MOE.expert_params_per_layer() == 384
+    assert TINY_MOE.params_per_layer() == 240 + 384
+    assert TINY_MOE.active_params_per_layer() == 240 + 192
+    assert TINY_MOE.num_params() == 2 * 624 + 160 + 8 and TINY_MOE.active_params() == 2 * 432 + 160 + 8
+    lay = Layout(tp=2, cp=1, pp=1, dp=2, chunk_tokens=40, recompute="none", fp8=False, ep=4)
+    mem = memory_per_gpu(TINY_MOE, Workload(50, 2, 5), lay, act_bytes=2)
+    dense, experts = (2 * 240 + 80) / 2, 2 * 384 / 4  # dense over TP, experts over EP
+    assert mem["weights"] == (dense + experts) * 2 and mem["grads"] == (dense + experts) * 4
+    assert mem["optimizer"] == dense * 12 / 2 + experts * 12 / 1  # expert DP = TP x CP x DP / EP = 1
+    fl = step_flops(TINY_MOE, positions=3, pairs=0)
+    assert fl["linear"] == 6 * 3 * (2 * (432 - 16) + 80)  # active parameters only
+    with pytest.raises(ValueError, match="experts_per_token x moe_ffn_hidden_size"):
+        ModelSpec("bad", 2, 8, 2, 1, 9, 10, num_experts=4, experts_per_token=2, moe_ffn_hidden_size=4)
+
+
+def test_qwen3_30b_a3b_preset_and_plan(tmp_path):
+    m = MODELS["Qwen3-30B-A3B"]
+    assert 30.0e9 < m.num_params() < 31.0e9 and 3.2e9 < m.active_params() < 3.5e9
+    result = plan(m, Workload(131072, 16, 3072), GPUS["H200"], 8)
+    assert result["fits"], result["reason"]
+    lay = result["best"]["layout"]
+    assert m.num_experts % lay["ep"] == 0 and (lay["tp"] * lay["cp"] * lay["dp"]) % lay["ep"] == 0
+    # the routed experts dominate: without EP the weights per GPU would be far larger
+    no_ep = memory_per_gpu(m, Workload(131072, 16, 3072), Layout(**dict(lay, ep=1)))
+    assert no_ep["weights"] > 3 * result["best"]["memory_bytes"]["weights"]
+    # FLOPs follow the active parameters: close to a dense model of 3.4B
+    assert result["best"]["naive_flops"] / result["best"]["flops"] > 5
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"num_hidden_layers": 48, "hidden_size": 2048, "num_attention_heads": 32,
+                               "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+                               "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+                               "vocab_size": 151936}))
+    assert model_from_hf_config(str(cfg)).num_params() == m.num_params()
+    proc = subprocess.run([sys.executable, "-m", "megatron_branch.cli", "plan", "--model", "Qwen3-30B-A3B",
+                           "--gpu", "H200"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "3.4B active" in proc.stdout and "EP=" in proc.stdout

@@ -4,7 +4,9 @@
     python tools/convert_checkpoint.py export --megatron-path DIR --hf-model OUT [--hf-config HF_DIR]
 
 Architectures: Llama (incl. Llama-3 RoPE scaling), Mistral, Qwen2 (QKV bias), Qwen3
-(q/k norm); tied or untied embeddings; GQA. Safetensors only (no pickle); the output is
+(q/k norm), and Mixture of Experts: Qwen3-MoE and Mixtral (Megatron's MoE layer with
+sequential experts; expert-parallel sharding is chosen at load time too); tied or untied
+embeddings; GQA. Safetensors only (no pickle); the output is
 written to a temporary directory and renamed at the end. TP/PP sharding is chosen when
 a run loads the checkpoint (``megatron_branch.hf.convert.load_megatron``). Runs on CPU.
 """

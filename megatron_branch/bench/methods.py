@@ -10,6 +10,10 @@ CPU flash kernel through SDPA or the cascade's piece calls), so ratios measure m
 * ``dense_tree``: the full tree with a dense ``[U, U]`` mask (AReaL's Megatron path).
 * ``ours``: the full tree, cascade attention, one packed pass.
 * ``ours_stream``: the full tree, streaming replay with a bounded chunk.
+
+On a Mixture-of-Experts model the naive batch masks its padding out of the router
+statistics (:func:`megatron_branch.moe.naive_moe_logprobs`) and the tree methods run
+:func:`megatron_branch.moe.replay_step` (streaming collects the router counts first).
 """
 
 from __future__ import annotations
@@ -66,11 +70,18 @@ def prepare_methods(
     lmax = max(batch.lengths)
     all_ids = torch.arange(num)
 
+    moe = bool(getattr(models["cascade"].config, "num_moe_experts", None))
+    if moe:
+        from megatron_branch.moe import naive_moe_logprobs as naive_logprobs
+        from megatron_branch.moe import replay_step as step
+    else:
+        naive_logprobs, step = batched_rollout_logprobs, replay_step
+
     def naive():
-        loss_fn(batched_rollout_logprobs(models["cascade"], seqs), all_ids).backward()
+        loss_fn(naive_logprobs(models["cascade"], seqs), all_ids).backward()
 
     def replay(model, t, **kw):
-        return lambda: replay_step(model, t, loss_fn, **kw)
+        return lambda: step(model, t, loss_fn, **kw)
 
     heads = models["dense"].config.num_attention_heads
     dense_bytes = 4 * heads * tree.unique_positions**2

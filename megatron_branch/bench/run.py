@@ -1,9 +1,12 @@
 """``megatron-branch bench``: branch replay vs naive and peer methods, in one run.
 
 For every shape (rollouts per prompt G, prompt/response ratio, a multi-level tree, a
-batch with no sharing) every method runs forward+backward of one GRPO-style loss on the
-same weights. Reported per method: median time, speed-up vs naive, the ideal FLOP ratio
-(naive per-rollout FLOPs / the tree's FLOPs) and the fraction of it reached, estimated
+batch with no sharing, a Mixture-of-Experts model) every method runs forward+backward of
+one GRPO-style loss on the same weights. MoE shapes use Megatron's MoE layer (sequential
+experts, the load-balancing and z losses on): the naive batch masks its padding out of
+the router statistics and the tree methods weight tokens by multiplicity, so all agree.
+Reported per method: median time, speed-up vs naive, the ideal FLOP ratio (naive
+per-rollout FLOPs / the tree's FLOPs) and the fraction of it reached, estimated
 FLOPs, peak memory (a separate run) and the max relative gradient difference vs naive.
 Times are interleaved across methods and repeated; only ratios are meaningful on a
 noisy machine. Output: a table, ``bench.json`` and ``bench.png``.
@@ -15,7 +18,7 @@ import json
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional
 
 import torch
@@ -43,6 +46,7 @@ class Shape:
     branching: List[int]
     segment_lengths: List[int]
     distinct_roots: bool = False  # first tokens all different: nothing is shared
+    moe: bool = False  # run on the Mixture-of-Experts model (BenchConfig.moe_experts, moe_topk)
 
     def batch(self, vocab: int, seed: int) -> RolloutBatch:
         batch = branching_rollouts(self.prompt_lengths, self.branching, self.segment_lengths, vocab, seed=seed)
@@ -65,6 +69,8 @@ class BenchConfig:
     repeats: int = 3
     seed: int = 0
     shapes: List[Shape] = field(default_factory=list)
+    moe_experts: int = 8  # MoE shapes: experts per layer, each of width top-k x ... = the dense FFN / top-k
+    moe_topk: int = 2
 
     @classmethod
     def full(cls) -> "BenchConfig":
@@ -74,6 +80,7 @@ class BenchConfig:
         shapes += [
             Shape("multi-level 1024+2x64+8x128", [1024], [2, 8], [64, 128]),
             Shape("no sharing 16x1024", [512] * 16, [1], [512], distinct_roots=True),
+            Shape("MoE 8x top-2, G=16 p/r=16", [16 * resp], [16], [resp], moe=True),
         ]
         return cls(shapes=shapes)
 
@@ -85,6 +92,7 @@ class BenchConfig:
         shapes += [
             Shape("multi-level 256+2x16+8x32", [256], [2, 8], [16, 32]),
             Shape("no sharing 16x256", [128] * 16, [1], [128], distinct_roots=True),
+            Shape("MoE 8x top-2, G=16 p/r=16", [16 * resp], [16], [resp], moe=True),
         ]
         return cls(hidden_size=128, num_attention_heads=4, num_query_groups=2, vocab_size=256,
                    chunk_tokens=256, repeats=1, shapes=shapes)
@@ -104,15 +112,30 @@ def _loss(batch: RolloutBatch):
     return loss_fn
 
 
-def _models(cfg: BenchConfig) -> Dict[str, torch.nn.Module]:
+def _models(cfg: BenchConfig, moe: bool = False) -> Dict[str, torch.nn.Module]:
+    moe_kwargs, spec = {}, {}
+    if moe:  # same active FFN width as the dense model: top-k experts of width ffn / k
+        moe_kwargs = dict(num_moe_experts=cfg.moe_experts, moe_router_topk=cfg.moe_topk,
+                          moe_ffn_hidden_size=3 * cfg.hidden_size // cfg.moe_topk, moe_aux_loss_coeff=0.01,
+                          moe_z_loss_coeff=1e-3, moe_token_dispatcher_type="allgather")
+        spec = {"num_experts": cfg.moe_experts, "moe_grouped_gemm": False}
     config = llama_config(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
-                          num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups)
-    models = {b: build_gpt(config, cfg.vocab_size, spec_kwargs={"backend": b}, seed=cfg.seed)
+                          num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
+                          **moe_kwargs)
+    models = {b: build_gpt(config, cfg.vocab_size, spec_kwargs={"backend": b, **spec}, seed=cfg.seed)
               for b in ("cascade", "dense", "repeat_kv")}
     state = models["cascade"].state_dict()
     for m in models.values():
         m.load_state_dict(state)
     return models
+
+
+def _flop_shape(config, vocab: int) -> ModelShape:
+    """FLOP shape; a MoE counts the FFN width a token runs through (top-k experts)."""
+    shape = ModelShape.from_config(config, vocab)
+    if config.num_moe_experts:
+        shape = replace(shape, ffn_hidden_size=config.moe_router_topk * config.moe_ffn_hidden_size)
+    return shape
 
 
 def _zero(models) -> None:
@@ -124,13 +147,16 @@ def run_bench(cfg: BenchConfig, methods: Optional[List[str]] = None, echo=print)
     """Run every shape and method; returns the JSON-ready report."""
     enable_cpu()
     init_distributed()
-    models = _models(cfg)
-    shape_m = ModelShape.from_config(models["cascade"].config, cfg.vocab_size)
+    kinds: Dict[bool, Dict[str, torch.nn.Module]] = {}
     per_shape = 2 + cfg.repeats
     report = {"schema_version": SCHEMA_VERSION, "config": asdict(cfg), "torch_threads": torch.get_num_threads(),
               "device": "cpu", "shapes": []}
     with Progress(len(cfg.shapes) * per_shape, "bench") as bar:
         for shape in cfg.shapes:
+            if shape.moe not in kinds:
+                kinds[shape.moe] = _models(cfg, shape.moe)
+            models = kinds[shape.moe]
+            shape_m = _flop_shape(models["cascade"].config, cfg.vocab_size)
             batch = shape.batch(cfg.vocab_size, cfg.seed)
             loss_fn = _loss(batch)
             prepared = prepare_methods(models, batch, loss_fn, cfg.chunk_tokens, methods)

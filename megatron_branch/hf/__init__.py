@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from megatron_branch.hf.io import read_config, read_weights
-from megatron_branch.hf.mapping import hf_to_megatron, megatron_args_from_hf, megatron_to_hf
+from megatron_branch.hf.mapping import hf_to_megatron, megatron_args_from_hf, megatron_to_hf, num_experts
 
 
 def build_from_hf_config(hf_cfg: dict, params_dtype: torch.dtype = torch.float32, spec_kwargs: Optional[dict] = None,
@@ -25,6 +25,8 @@ def build_from_hf_config(hf_cfg: dict, params_dtype: torch.dtype = torch.float32
 
     config_kwargs, model_kwargs = megatron_args_from_hf(hf_cfg)
     config_kwargs.update(config_overrides)
+    if num_experts(hf_cfg):  # Megatron's MoE layer with sequential experts, branch statistics
+        spec_kwargs = {"num_experts": num_experts(hf_cfg), "moe_grouped_gemm": False, **(spec_kwargs or {})}
     config = llama_config(params_dtype=params_dtype, **config_kwargs)
     if parallel_state.model_parallel_is_initialized():
         model_kwargs.setdefault("pre_process", parallel_state.is_pipeline_first_stage())
@@ -43,24 +45,44 @@ def load_gpt_from_hf(hf_dir: str, params_dtype: torch.dtype = torch.float32, **s
     Returns:
         ``(model, config)``.
     """
-    from megatron_branch.parallel import load_full_state
-
     hf_cfg = read_config(hf_dir)
     model, config = build_from_hf_config(hf_cfg, params_dtype, spec_kwargs)
     state = hf_to_megatron(read_weights(hf_dir), hf_cfg)
-    load_full_state(model, {k: v.to(params_dtype) for k, v in state.items()})
+    load_state(model, {k: v.to(params_dtype) for k, v in state.items()})
     return model, config
 
 
-def export_hf_state(model, hf_cfg: dict, dtype: Optional[torch.dtype] = None) -> Dict[str, Tensor]:
-    """The model's full weights under HF names (collective over TP and PP; every rank gets them)."""
-    from megatron_branch.parallel import full_state
+def load_state(model, state: Dict[str, Tensor]) -> None:
+    """Load unsharded stock-named weights on any TP/PP (and, for MoE, EP) layout."""
+    from megatron_branch.scoring import unwrap
 
-    state = full_state(model, "param")
+    if getattr(unwrap(model).config, "num_moe_experts", None):
+        from megatron_branch.moe import load_full_state
+    else:
+        from megatron_branch.parallel import load_full_state
+    load_full_state(model, state)
+
+
+def model_state(model, which: str = "param") -> Dict[str, Tensor]:
+    """Unsharded stock-named weights (or grads) of a live model (collective; EP-aware for MoE)."""
+    from megatron_branch.scoring import unwrap
+
+    if getattr(unwrap(model).config, "num_moe_experts", None):
+        from megatron_branch.moe import full_state
+    else:
+        from megatron_branch.parallel import full_state
+    return full_state(model, which)
+
+
+def export_hf_state(model, hf_cfg: dict, dtype: Optional[torch.dtype] = None) -> Dict[str, Tensor]:
+    """The model's full weights under HF names (collective over TP, PP and, for MoE, EP;
+    every rank gets them)."""
+    state = model_state(model, "param")
     if hf_cfg.get("tie_word_embeddings"):
         state.pop("output_layer.weight", None)
     out = megatron_to_hf(state, hf_cfg)
     return {k: v.to(dtype) for k, v in out.items()} if dtype is not None else out
 
 
-__all__ = ["build_from_hf_config", "export_hf_state", "hf_to_megatron", "load_gpt_from_hf", "megatron_to_hf"]
+__all__ = ["build_from_hf_config", "export_hf_state", "hf_to_megatron", "load_gpt_from_hf", "load_state",
+           "megatron_to_hf", "model_state"]

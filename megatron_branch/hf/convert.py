@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_branch.hf import build_from_hf_config, export_hf_state
+from megatron_branch.hf import build_from_hf_config, export_hf_state, load_state
 from megatron_branch.hf.io import atomic_dir, read_config, read_weights, write_weights
 from megatron_branch.hf.mapping import hf_to_megatron
 
@@ -39,8 +39,6 @@ def import_hf(hf_dir: str, megatron_path: str, dtype: str = "fp32", overwrite: b
     """
     from megatron.core import dist_checkpointing
 
-    from megatron_branch.parallel import load_full_state
-
     note = progress or (lambda _msg: None)
     torch_dtype = _dtype(dtype)
     hf_cfg = read_config(hf_dir)
@@ -48,7 +46,7 @@ def import_hf(hf_dir: str, megatron_path: str, dtype: str = "fp32", overwrite: b
     state = hf_to_megatron(read_weights(hf_dir), hf_cfg)
     note(f"mapping {len(state)} tensors")
     model, _ = build_from_hf_config(hf_cfg, torch_dtype)
-    load_full_state(model, {k: v.to(torch_dtype) for k, v in state.items()})
+    load_state(model, {k: v.to(torch_dtype) for k, v in state.items()})
     with atomic_dir(megatron_path, overwrite) as tmp:
         note("writing the distributed checkpoint")
         dist_checkpointing.save(model.sharded_state_dict(), tmp)

@@ -1,4 +1,4 @@
-"""Hugging Face (Llama, Mistral, Qwen2, Qwen3) <-> Megatron GPTModel: config and weights.
+"""Hugging Face (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral) <-> Megatron GPTModel: config and weights.
 
 Our own code: Megatron-Bridge, the usual converter, needs Transformer Engine and CUDA.
 Weights are plain tensors keyed by name on both sides; Megatron names are the stock
@@ -7,7 +7,14 @@ returns). Layouts that differ:
 
 * ``linear_qkv`` interleaves per KV group: for group ``g``, the ``heads / kv_heads`` query
   heads, then its key head, then its value head (rows of ``head_dim``); Qwen2's biases alike;
-* ``linear_fc1`` is ``[gate_proj; up_proj]`` stacked on the output dimension.
+* ``linear_fc1`` is ``[gate_proj; up_proj]`` stacked on the output dimension;
+* Mixture of Experts (Qwen3-MoE ``mlp.experts.{j}.{gate,up,down}_proj``, Mixtral
+  ``block_sparse_moe.experts.{j}.{w1,w3,w2}``): the router is ``mlp.router.weight`` and
+  expert ``j`` is ``mlp.experts.local_experts.{j}`` (Megatron's sequential experts,
+  ``moe_grouped_gemm=False``), its ``linear_fc1`` again ``[gate; up]``. Routing: softmax
+  over all experts then top-k (``moe_router_pre_softmax=True``) when the top-k weights are
+  not renormalised (Qwen3-MoE ``norm_topk_prob=false``), softmax over the top-k logits
+  otherwise (equal to renormalising; Mixtral, ``norm_topk_prob=true``).
 """
 
 from __future__ import annotations
@@ -18,15 +25,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+             "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+MOE_ARCHS = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+# HF names of an expert's (gate, up, down) projections and of the router, per architecture
+_EXPERT_NAMES = {"Qwen3MoeForCausalLM": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+                 "MixtralForCausalLM": ("block_sparse_moe.", ("w1", "w3", "w2"))}
 # Megatron's built-in Llama-3 RoPE scaling uses these fixed parameters.
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 def _arch(cfg: dict) -> str:
     archs = cfg.get("architectures") or []
-    arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2":
-                                   "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(cfg.get("model_type"), "")
+    by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+    arch = archs[0] if archs else by_type.get(cfg.get("model_type"), "")
     if arch not in SUPPORTED:
         raise ValueError(f"config.json: architecture {arch or cfg.get('model_type')!r} is not supported "
                          f"(supported: {', '.join(SUPPORTED)})")
@@ -61,7 +74,7 @@ def megatron_args_from_hf(cfg: dict) -> Tuple[dict, dict]:
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json: hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)")
     window = cfg.get("sliding_window")
-    if window is not None and cfg.get("use_sliding_window", arch == "MistralForCausalLM"):
+    if window is not None and cfg.get("use_sliding_window", arch in ("MistralForCausalLM", "MixtralForCausalLM")):
         raise ValueError(f"config.json: sliding_window={window} is not supported by tree attention")
     heads = cfg["num_attention_heads"]
     theta, rope = _rope(cfg)
@@ -72,14 +85,40 @@ def megatron_args_from_hf(cfg: dict) -> Tuple[dict, dict]:
         layernorm_epsilon=cfg.get("rms_norm_eps", 1e-6), normalization="RMSNorm", gated_linear_unit=True,
         activation_func=F.silu, add_bias_linear=False,
         add_qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-        qk_layernorm=arch == "Qwen3ForCausalLM",
+        qk_layernorm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
     )
+    if arch in MOE_ARCHS:
+        config.update(_moe_args(cfg, arch))
     model = dict(
         vocab_size=cfg["vocab_size"], max_sequence_length=cfg.get("max_position_embeddings", 4096),
         share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)),
         position_embedding_type="rope", rotary_base=theta, **rope,
     )
     return config, model
+
+
+def num_experts(cfg: dict) -> int:
+    """Routed experts of a MoE config (0 for a dense one)."""
+    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+
+
+def _moe_args(cfg: dict, arch: str) -> dict:
+    """TransformerConfig MoE fields. The aux-loss coefficient is HF's ``router_aux_loss_coef``
+    when HF trains with it (``output_router_logits``), else 0."""
+    layers = cfg["num_hidden_layers"]
+    dense = [i for i in range(layers) if i in (cfg.get("mlp_only_layers") or [])
+             or (i + 1) % int(cfg.get("decoder_sparse_step", 1) or 1) != 0]
+    if dense:
+        raise ValueError(f"config.json: dense layers {dense[:5]} between the MoE layers (mlp_only_layers / "
+                         "decoder_sparse_step) are not supported; every layer must be MoE")
+    if cfg.get("shared_expert_intermediate_size"):
+        raise ValueError("config.json: shared experts are not supported")
+    normalise = arch == "MixtralForCausalLM" or bool(cfg.get("norm_topk_prob", False))
+    ffn = cfg["moe_intermediate_size"] if arch == "Qwen3MoeForCausalLM" else cfg["intermediate_size"]
+    coeff = float(cfg.get("router_aux_loss_coef", 0.0)) if cfg.get("output_router_logits") else 0.0
+    return dict(num_moe_experts=num_experts(cfg), moe_router_topk=cfg["num_experts_per_tok"],
+                moe_ffn_hidden_size=ffn, moe_router_pre_softmax=not normalise, moe_router_score_function="softmax",
+                moe_aux_loss_coeff=coeff)
 
 
 def _dims(cfg: dict) -> Tuple[int, int, int]:
@@ -124,7 +163,7 @@ def hf_to_megatron(state: Dict[str, Tensor], cfg: dict) -> Dict[str, Tensor]:
     Raises:
         ValueError: a missing or unexpected tensor, or a shape mismatch, named.
     """
-    _arch(cfg)
+    arch = _arch(cfg)
     todo = dict(state)
     take = _taker(todo, "checkpoint")
 
@@ -143,6 +182,14 @@ def hf_to_megatron(state: Dict[str, Tensor], cfg: dict) -> Dict[str, Tensor]:
             out[mg + "self_attention.k_layernorm.weight"] = take(attn + "k_norm.weight")
         out[mg + "self_attention.linear_proj.weight"] = take(attn + "o_proj.weight")
         out[mg + "pre_mlp_layernorm.weight"] = take(hf + "post_attention_layernorm.weight")
+        if arch in MOE_ARCHS:
+            block, (gate, up, down) = _EXPERT_NAMES[arch]
+            out[mg + "mlp.router.weight"] = take(hf + block + "gate.weight")
+            for j in range(num_experts(cfg)):
+                src, dst = f"{hf}{block}experts.{j}.", f"{mg}mlp.experts.local_experts.{j}."
+                out[dst + "linear_fc1.weight"] = torch.cat([take(src + gate + ".weight"), take(src + up + ".weight")])
+                out[dst + "linear_fc2.weight"] = take(src + down + ".weight")
+            continue
         out[mg + "mlp.linear_fc1.weight"] = torch.cat(
             [take(hf + "mlp.gate_proj.weight"), take(hf + "mlp.up_proj.weight")])
         out[mg + "mlp.linear_fc2.weight"] = take(hf + "mlp.down_proj.weight")
@@ -159,6 +206,7 @@ def hf_to_megatron(state: Dict[str, Tensor], cfg: dict) -> Dict[str, Tensor]:
 
 def megatron_to_hf(state: Dict[str, Tensor], cfg: dict) -> Dict[str, Tensor]:
     """Stock Megatron names -> HF names (inverse of :func:`hf_to_megatron`)."""
+    arch = _arch(cfg)
     todo = dict(state)
     take = _taker(todo, "megatron state")
 
@@ -177,6 +225,15 @@ def megatron_to_hf(state: Dict[str, Tensor], cfg: dict) -> Dict[str, Tensor]:
             out[attn + "k_norm.weight"] = take(mg + "self_attention.k_layernorm.weight")
         out[attn + "o_proj.weight"] = take(mg + "self_attention.linear_proj.weight")
         out[hf + "post_attention_layernorm.weight"] = take(mg + "pre_mlp_layernorm.weight")
+        if arch in MOE_ARCHS:
+            block, (gate_name, up_name, down_name) = _EXPERT_NAMES[arch]
+            out[hf + block + "gate.weight"] = take(mg + "mlp.router.weight")
+            for j in range(num_experts(cfg)):
+                src, dst = f"{mg}mlp.experts.local_experts.{j}.", f"{hf}{block}experts.{j}."
+                gate, up = take(src + "linear_fc1.weight").chunk(2)
+                out[dst + gate_name + ".weight"], out[dst + up_name + ".weight"] = gate, up
+                out[dst + down_name + ".weight"] = take(src + "linear_fc2.weight")
+            continue
         gate, up = take(mg + "mlp.linear_fc1.weight").chunk(2)
         out[hf + "mlp.gate_proj.weight"], out[hf + "mlp.up_proj.weight"] = gate, up
         out[hf + "mlp.down_proj.weight"] = take(mg + "mlp.linear_fc2.weight")

@@ -4,7 +4,10 @@ Memory per GPU (bytes):
 
 * weights 2 B/param (bf16), main gradients 4 B/param (fp32), optimizer 12 B/param (fp32
   master + Adam moments) sharded over DP x CP (distributed optimizer); parameters split
-  over TP x PP; FP8 adds 1 B/param of cached FP8 weights;
+  over TP x PP; FP8 adds 1 B/param of cached FP8 weights; a Mixture of Experts' routed
+  experts are split over EP instead of TP (expert TP = 1) and their optimizer state over
+  the expert-data-parallel ranks ``TP x CP x DP / EP``; activations and FLOPs follow the
+  *active* parameters (router + top-k experts); the all-to-all time is not modelled;
 * what streaming exact replay keeps (:mod:`megatron_branch.planner.memory`, which counts
   what the implementation allocates and is checked rank by rank by
   ``megatron-branch bench-scale``): the path cache (this rank's share of the prompt's
@@ -72,6 +75,7 @@ class Layout:
     chunk_tokens: int
     recompute: str  # "none" | "full"
     fp8: bool
+    ep: int = 1  # expert parallelism (MoE), carved out of TP x CP x DP
 
 
 def memory_per_gpu(model: ModelSpec, work: Workload, lay: Layout, act_bytes: int = 2) -> Dict[str, float]:
@@ -81,21 +85,23 @@ def memory_per_gpu(model: ModelSpec, work: Workload, lay: Layout, act_bytes: int
     from megatron_branch.planner.memory import workload_memory
 
     layers = -(-model.num_layers // lay.pp)
-    stage_params = (layers * model.params_per_layer() + model.vocab_size * model.hidden_size) / lay.tp
+    dense = (layers * model.dense_params_per_layer() + model.vocab_size * model.hidden_size) / lay.tp
+    experts = layers * model.expert_params_per_layer() / lay.ep
+    stage_params = dense + experts
     replay = workload_memory(model, work.prompt_len, work.rollouts, work.response_len,
                              chunk_tokens=lay.chunk_tokens, tp=lay.tp, cp=lay.cp, pp=lay.pp,
                              recompute=lay.recompute, act_bytes=act_bytes)
     return {
         "weights": stage_params * (2 + (1 if lay.fp8 else 0)),
         "grads": stage_params * 4,
-        "optimizer": stage_params * 12 / (lay.dp * lay.cp),
+        "optimizer": dense * 12 / (lay.dp * lay.cp) + experts * 12 * lay.ep / (lay.tp * lay.cp * lay.dp),
         **replay,
     }
 
 
 def step_flops(model: ModelSpec, positions: float, pairs: float) -> Dict[str, float]:
     """Forward+backward FLOPs: linear (incl. output layer) and attention."""
-    linear = 6 * positions * (model.num_layers * (model.params_per_layer() - 2 * model.hidden_size)
+    linear = 6 * positions * (model.num_layers * (model.active_params_per_layer() - 2 * model.hidden_size)
                               + model.vocab_size * model.hidden_size)
     attention = 12 * pairs * model.kv_channels * model.num_attention_heads * model.num_layers
     return {"linear": linear, "attention": attention}

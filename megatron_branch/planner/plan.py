@@ -33,10 +33,12 @@ def candidate_layouts(model: ModelSpec, work: Workload, gpus: int) -> List[Layou
         if gpus % (tp * pp * dp) or model.num_layers % pp or work.num_prompts % dp:
             continue
         cp = gpus // (tp * pp * dp)
-        for chunk, recompute, fp8 in itertools.product(CHUNKS, ("none", "full"), (False, True)):
+        # expert parallelism: over the TP x CP x DP ranks, dividing the experts
+        eps = [e for e in _divisors(tp * cp * dp) if model.num_experts % e == 0] if model.is_moe else [1]
+        for ep, chunk, recompute, fp8 in itertools.product(eps, CHUNKS, ("none", "full"), (False, True)):
             if chunk < tp * cp:
                 continue
-            out.append(Layout(tp, cp, pp, dp, chunk, recompute, fp8))
+            out.append(Layout(tp, cp, pp, dp, chunk, recompute, fp8, ep))
     return out
 
 
@@ -70,6 +72,7 @@ def plan(model: ModelSpec, work: Workload, gpu: GPUSpec, gpus: int, mfu: float =
                   f"{gpu.name} offers {USABLE * gpu.memory_gb:.1f} GB usable; largest part: "
                   f"{max(best['memory_bytes'], key=best['memory_bytes'].get)}")
     return {"model": asdict(model), "workload": asdict(work), "gpu": asdict(gpu), "gpus": gpus, "mfu": mfu,
+            "params_total": model.num_params(), "params_active": model.active_params(),
             "naive_positions": work.naive_positions, "unique_positions": work.unique_positions,
             "best": best, "fits": bool(fitting), "reason": reason, "layouts_considered": len(options)}
 
@@ -83,11 +86,17 @@ def format_plan(result: Dict) -> str:
         f"x ({result['workload']['prompt_len']} prompt + {result['workload']['response_len']} response) = "
         f"{result['naive_positions']:,} naive / {result['unique_positions']:,} unique positions "
         f"({result['naive_positions'] / result['unique_positions']:.1f}x)",
-        f"layout: TP={lay['tp']} CP={lay['cp']} PP={lay['pp']} DP={lay['dp']}, chunk {lay['chunk_tokens']} tokens, "
+        f"layout: TP={lay['tp']} CP={lay['cp']} PP={lay['pp']} DP={lay['dp']}"
+        f"{' EP=' + str(lay['ep']) if result['model'].get('num_experts') else ''}, chunk {lay['chunk_tokens']} tokens, "
         f"recompute {lay['recompute']}, FP8 {'on' if lay['fp8'] else 'off'}, streaming exact replay "
         f"(recompute_stem=True)",
         "memory per GPU:",
     ]
+    if result["model"].get("num_experts"):
+        m = result["model"]
+        lines.insert(2, f"MoE: {m['num_experts']} experts, top-{m['experts_per_token']}: "
+                        f"{result['params_total'] / 1e9:.1f}B parameters, {result['params_active'] / 1e9:.1f}B active "
+                        f"per token; experts sharded over EP")
     for name, value in b["memory_bytes"].items():
         lines.append(f"  {name:<18s}{value / GB:>9.2f} GB")
     lines.append(f"  {'total':<18s}{b['memory_total_bytes'] / GB:>9.2f} GB of {USABLE * gpu['memory_gb']:.1f} "
