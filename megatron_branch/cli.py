@@ -4,22 +4,22 @@ Every command fails cleanly: bad flags, missing or corrupt input files and unwri
 output targets are reported before any heavy work as one line naming the flag or file
 and what to do, with exit code 2 (``plan`` exits 1 when the workload does not fit).
 Other failures print one line and exit 1. ``--debug`` (before or after the command, or
-``$MEGATRON_BRANCH_DEBUG=1``) adds the traceback.
+``$MEGATRON_BRANCH_DEBUG=1``) adds the traceback. The file checks live in
+:mod:`megatron_branch.checks`, shared with ``tools/convert_checkpoint.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron_branch.checks import OneLineParser as _Parser
+from megatron_branch.checks import check_input_json, check_output_dir, check_output_file
+from megatron_branch.checks import quiet_megatron_warnings
+
 # megatron-core warns about Apex/TE fallbacks when imported on CPU; they are expected here.
-warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
-warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
-warnings.filterwarnings("ignore", module="megatron.core.transformer.transformer_config")
+quiet_megatron_warnings()
 
 from megatron_branch import demo  # noqa: E402
 from megatron_branch.bench import cp as bench_cp  # noqa: E402
@@ -63,13 +63,6 @@ POSITIVE: Dict[str, Tuple[str, ...]] = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse with one-line usage errors (exit code 2)."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG,
@@ -93,43 +86,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
-
-
-def check_output_file(flag: str, path: str) -> None:
-    """An output file can be written: not a directory, its directory exists and is writable."""
-    if os.path.isdir(path):
-        raise ValueError(f"{flag} {path}: is a directory; give a file path")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise FileNotFoundError(f"{flag} {path}: directory {parent} does not exist; create it first")
-    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise PermissionError(f"{flag} {path}: not writable; choose a writable location")
-
-
-def check_output_dir(flag: str, path: str) -> None:
-    """An output directory can be created or written: not a file, writable."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"{flag} {path}: is a file, not a directory; choose a directory")
-    probe = os.path.abspath(path)
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    if not os.path.isdir(probe):
-        raise ValueError(f"{flag} {path}: {probe} is a file; choose a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise PermissionError(f"{flag} {path}: {probe} is not writable; choose a writable directory")
-
-
-def check_input_json(flag: str, path: str) -> None:
-    """An input JSON file exists, is readable and holds an object."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{flag} {path}: no such file")
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{flag} {path}: not valid JSON ({e}); pass a Hugging Face config.json") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{flag} {path}: holds a JSON {type(data).__name__}, expected an object (config.json)")
 
 
 def preflight(command: str, args: argparse.Namespace) -> None:

@@ -135,7 +135,7 @@ def test_bad_inputs_raise_clearly(tmp_path):
         import_hf(hf_dir, str(tmp_path / "x"))
     _, hf_dir = make_hf(tmp_path / "3", "llama")
     _edit_weights(hf_dir, lambda s: s.update({"model.layers.0.self_attn.o_proj.weight": torch.zeros(64, 32)}))
-    with pytest.raises(ValueError, match="linear_proj.weight' has shape"):
+    with pytest.raises(ValueError, match=r"o_proj.weight' has shape \[64, 32\], config.json implies \[64, 64\]"):
         import_hf(hf_dir, str(tmp_path / "x"))
     assert not (tmp_path / "x").exists()
 

@@ -1,56 +1,263 @@
 """Reading and writing Hugging Face checkpoint directories: safetensors only, atomic.
 
 Weights are never unpickled: ``*.safetensors`` (single or sharded with
-``model.safetensors.index.json``). Output directories are written under a temporary name
-next to the target and renamed at the end, so a failure never leaves a half-written
-checkpoint under the target name.
+``model.safetensors.index.json``). Bad input raises ``ValueError``/``OSError`` with one
+line naming the file and what to do (the converter reports it with exit code 2):
+a missing or invalid ``config.json`` (missing fields, unsupported architecture), a
+truncated or corrupt safetensors file, a corrupt index or a shard it names that is
+missing.
+
+Output directories are written under a temporary name next to the target,
+``.NAME.tmp-<pid>-<start>-<host>-<random>``, and renamed at the end (:func:`atomic_dir`),
+so a failure never leaves a half-written checkpoint under the target name. The name
+records the writing process (pid, start time, host), so :func:`remove_stale_temp_dirs`
+can tell a leftover of a killed run — ours, and its process gone — from the work of a
+conversion still running. Replacing an existing target (``--overwrite``) moves it aside
+to ``.NAME.old-...`` first; if a run is killed between that move and the rename, the next
+run puts the old directory back.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import re
 import shutil
+import socket
+import sys
 import tempfile
-from typing import Dict, Iterator
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from torch import Tensor
 
+from megatron_branch.checks import check_input_json, check_output_dir
+
 INDEX = "model.safetensors.index.json"
+_OWNED = re.compile(r"^\.(?P<base>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-(?P<start>\d+)-(?P<host>[0-9a-f]{8})-[a-z0-9_]+$")
 
 
-def read_config(hf_dir: str) -> dict:
+# ------------------------------------------------------------------------------ input
+def read_config(hf_dir: str, flag: str = "--hf-model") -> dict:
+    """``hf_dir/config.json``, checked: valid JSON, a supported architecture, every size
+    field the conversion reads.
+
+    Raises:
+        FileNotFoundError: ``hf_dir`` is not a directory.
+        ValueError: no ``config.json``, or an invalid or unsupported one (named).
+    """
+    if not os.path.isdir(hf_dir):
+        raise FileNotFoundError(f"{flag} {hf_dir}: no such directory; pass a Hugging Face model directory "
+                                "(config.json + *.safetensors)")
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(path):
-        raise ValueError(f"--hf-model: {hf_dir} has no config.json")
+        raise ValueError(f"{flag} {hf_dir}: has no config.json; pass a Hugging Face model directory "
+                         "(config.json + *.safetensors)")
+    check_input_json(flag, path)
     with open(path) as f:
-        return json.load(f)
+        cfg = json.load(f)
+    check_config(cfg, path)
+    return cfg
 
 
-def read_weights(hf_dir: str) -> Dict[str, Tensor]:
-    """All tensors of a HF directory (safetensors only)."""
-    from safetensors.torch import load_file
+def check_config(cfg: dict, where: str) -> None:
+    """Raise ``ValueError`` naming ``where`` if ``cfg`` cannot be converted."""
+    from megatron_branch.hf.mapping import megatron_args_from_hf
 
+    try:
+        megatron_args_from_hf(cfg)
+    except ValueError as e:
+        text = str(e)
+        text = text[len("config.json: "):] if text.startswith("config.json: ") else text
+        raise ValueError(f"{where}: {text}") from None
+
+
+def weight_files(hf_dir: str, flag: str = "--hf-model") -> List[str]:
+    """Paths of the ``*.safetensors`` files of ``hf_dir`` (from the index when there is one).
+
+    Raises:
+        ValueError: none (pickle checkpoints are named and refused), or a corrupt index.
+        FileNotFoundError: a shard the index names is missing.
+    """
     index = os.path.join(hf_dir, INDEX)
     if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index}: corrupt ({type(e).__name__}: {e}); download the checkpoint again") from None
+        for name in files:
+            if not os.path.isfile(os.path.join(hf_dir, name)):
+                raise FileNotFoundError(f"{os.path.join(hf_dir, name)}: missing (listed in {INDEX}); "
+                                        "download the checkpoint again")
     else:
         files = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
     if not files:
         pickled = [f for f in os.listdir(hf_dir) if f.endswith((".bin", ".pt", ".pth"))]
         hint = f" (found {pickled[0]}: pickle checkpoints are not loaded; re-save with safetensors)" if pickled else ""
-        raise ValueError(f"--hf-model: {hf_dir} has no *.safetensors weights{hint}")
+        raise ValueError(f"{flag} {hf_dir}: has no *.safetensors weights{hint}")
+    return [os.path.join(hf_dir, name) for name in files]
+
+
+def _corrupt(path: str, exc: Exception) -> ValueError:
+    text = " ".join(str(exc).split())
+    return ValueError(f"{path}: not a readable safetensors file ({text}); it is truncated or corrupt, "
+                      "download or copy it again")
+
+
+def check_weights(hf_dir: str, flag: str = "--hf-model") -> Dict[str, str]:
+    """Open every safetensors file's header (cheap: no tensor is read), so a truncated or
+    corrupt file is reported before any heavy work. Returns ``tensor name -> file``."""
+    from safetensors import SafetensorError, safe_open
+
+    where: Dict[str, str] = {}
+    for path in weight_files(hf_dir, flag):
+        try:
+            with safe_open(path, framework="pt") as f:
+                where.update({name: path for name in f.keys()})
+        except (SafetensorError, OSError) as e:
+            raise _corrupt(path, e) from None
+    return where
+
+
+def read_weights(hf_dir: str, sources: Optional[Dict[str, str]] = None) -> Dict[str, Tensor]:
+    """All tensors of a HF directory (safetensors only); ``sources`` (if given) receives
+    ``tensor name -> file``.
+
+    Raises:
+        ValueError: a truncated or corrupt file (named), or no safetensors weights.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
     state: Dict[str, Tensor] = {}
-    for name in files:
-        state.update(load_file(os.path.join(hf_dir, name)))
+    for path in weight_files(hf_dir):
+        try:
+            part = load_file(path)
+        except (SafetensorError, OSError) as e:
+            raise _corrupt(path, e) from None
+        state.update(part)
+        if sources is not None:
+            sources.update({name: path for name in part})
     return state
+
+
+# ----------------------------------------------------------------------------- output
+def _host_tag() -> str:
+    return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _owner_prefix(target: str, kind: str) -> str:
+    """``.NAME.tmp-<pid>-<start>-<host>-`` of this process (``kind``: tmp or old)."""
+    import psutil
+
+    start = int(psutil.Process().create_time())
+    return f".{os.path.basename(os.path.abspath(target))}.{kind}-{os.getpid()}-{start}-{_host_tag()}-"
+
+
+def _owner_gone(pid: int, start: int) -> bool:
+    """The process that made a temporary directory has exited (pid reuse is told apart
+    by the start time; a zombie counts as gone)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        if abs(proc.create_time() - start) > 2:
+            return True
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:  # e.g. access denied: it exists
+        return False
+
+
+def stale_temp_dirs(target: str) -> List[Tuple[str, str, int]]:
+    """``(path, kind, pid)`` of the directories :func:`atomic_dir` left next to ``target``
+    in runs whose process is gone (``kind``: ``tmp``, a partial output, or ``old``, a
+    previous target moved aside). Directories of other hosts or live processes, and
+    anything not named by :func:`atomic_dir`, are not listed."""
+    parent = os.path.dirname(os.path.abspath(target))
+    base = os.path.basename(os.path.abspath(target))
+    if not os.path.isdir(parent):
+        return []
+    found = []
+    for name in sorted(os.listdir(parent)):
+        m = _OWNED.match(name)
+        path = os.path.join(parent, name)
+        if not m or m["base"] != base or m["host"] != _host_tag() or os.path.islink(path) or not os.path.isdir(path):
+            continue
+        if _owner_gone(int(m["pid"]), int(m["start"])):
+            found.append((path, m["kind"], int(m["pid"])))
+    return found
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def remove_stale_temp_dirs(target: str, report: Optional[Callable[[str], None]] = None) -> List[str]:
+    """Clean up after killed runs that wrote ``target``: put back a previous target that a
+    killed ``--overwrite`` had moved aside (when ``target`` is missing), and remove their
+    partial outputs. Call it before writing ``target``. Each action is one line, passed to
+    ``report`` (default: printed to stderr) as it happens, and returned."""
+    done: List[str] = []
+    for path, kind, pid in stale_temp_dirs(target):
+        if kind == "old" and not os.path.exists(target):
+            os.rename(path, target)
+            done.append(f"restored {target} from {path}, moved aside by an interrupted --overwrite "
+                        f"(process {pid} is gone)")
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            what = "partial output" if kind == "tmp" else "replaced copy"
+            done.append(f"removed {path}, the {what} of an interrupted conversion (process {pid} is gone)")
+        (report or _to_stderr)(done[-1])
+    return done
+
+
+def check_target(target: str, overwrite: bool, flag: str, report: Optional[Callable[[str], None]] = None) -> List[str]:
+    """Check before any heavy work that ``target`` (an output directory) can be written,
+    after cleaning up stale temporary directories of killed runs.
+
+    Returns:
+        The clean-up lines of :func:`remove_stale_temp_dirs` (each also passed to
+        ``report`` as it happens; default: printed to stderr).
+
+    Raises:
+        ValueError: ``target`` is a file, or a non-empty directory without ``overwrite``.
+        OSError: its directory cannot be written.
+    """
+    check_output_dir(flag, target)  # a file; an unwritable existing ancestor
+    probe = os.path.abspath(target)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    try:  # os.access says yes to root on a directory that refuses entries (e.g. /proc)
+        os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=probe))
+    except OSError as e:
+        raise PermissionError(f"{flag} {target}: cannot write in {probe} ({e.strerror}); choose a writable "
+                              "directory") from None
+    done = remove_stale_temp_dirs(target, report)
+    if os.path.isdir(target) and os.listdir(target) and not overwrite:
+        raise ValueError(f"{flag} {target}: exists and is not empty; pass --overwrite to replace it or choose "
+                         "another directory")
+    return done
+
+
+def _fsync_dir(path: str) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 @contextlib.contextmanager
 def atomic_dir(target: str, overwrite: bool = False) -> Iterator[str]:
     """Yield a temporary directory that becomes ``target`` only if the block succeeds.
+
+    The temporary directory is named after this process (see the module docstring); an
+    existing ``target`` (with ``overwrite``) is moved aside, replaced, then deleted.
 
     Raises:
         ValueError: ``target`` exists and is not empty, unless ``overwrite``.
@@ -59,12 +266,19 @@ def atomic_dir(target: str, overwrite: bool = False) -> Iterator[str]:
         raise ValueError(f"{target}: exists and is not empty (pass --overwrite to replace it)")
     parent = os.path.dirname(os.path.abspath(target)) or "."
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.tmp-", dir=parent)
+    tmp = tempfile.mkdtemp(prefix=_owner_prefix(target, "tmp"), dir=parent)
     try:
         yield tmp
+        _fsync_dir(tmp)
         if os.path.exists(target):
-            shutil.rmtree(target)
-        os.rename(tmp, target)
+            old = tempfile.mkdtemp(prefix=_owner_prefix(target, "old"), dir=parent)
+            os.rename(target, old)  # replaces the empty placeholder
+            os.rename(tmp, target)
+            _fsync_dir(parent)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, target)
+            _fsync_dir(parent)
     finally:
         if os.path.exists(tmp):
             shutil.rmtree(tmp)

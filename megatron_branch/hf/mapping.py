@@ -64,13 +64,40 @@ def _rope(cfg: dict) -> Tuple[float, dict]:
     raise ValueError(f"config.json: rope_scaling type {kind!r} is not supported (only llama3)")
 
 
+# config.json fields the conversion reads (positive integers), per architecture
+REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+REQUIRED_MOE = {"Qwen3MoeForCausalLM": ("num_experts_per_tok", "moe_intermediate_size"),
+                "MixtralForCausalLM": ("num_experts_per_tok",)}
+
+
+def _check_fields(cfg: dict, arch: str) -> None:
+    keys = REQUIRED + REQUIRED_MOE.get(arch, ())
+    missing = [k for k in keys if cfg.get(k) is None]
+    if arch in MOE_ARCHS:
+        keys += ("num_experts", "num_local_experts")  # either names the experts
+        if not (cfg.get("num_experts") or cfg.get("num_local_experts")):
+            missing.append("num_experts (or num_local_experts)")
+    if missing:
+        raise ValueError(f"config.json: lacks {', '.join(missing)} (needed for {arch}); pass the model's complete "
+                         "config.json")
+    for key in keys + ("num_key_value_heads", "head_dim"):
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"config.json: {key} is {value!r}, expected a positive integer")
+    heads, groups = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    if heads % groups:
+        raise ValueError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {groups}")
+
+
 def megatron_args_from_hf(cfg: dict) -> Tuple[dict, dict]:
     """``(TransformerConfig kwargs, GPTModel kwargs)`` for a Hugging Face config dict.
 
     Raises:
-        ValueError: an unsupported architecture, activation or RoPE scaling.
+        ValueError: an unsupported architecture, activation or RoPE scaling, or a
+            missing/invalid size field (named).
     """
     arch = _arch(cfg)
+    _check_fields(cfg, arch)
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json: hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)")
     window = cfg.get("sliding_window")
@@ -146,13 +173,26 @@ def _qkv_from_megatron(qkv: Tensor, cfg: dict) -> Tuple[Tensor, Tensor, Tensor]:
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
-def _taker(todo: Dict[str, Tensor], what: str):
-    """``take(name)``: pop ``name`` from ``todo`` or raise naming it."""
+class TensorError(ValueError):
+    """A missing tensor or one of the wrong shape; ``tensor`` is its name."""
 
-    def take(name: str) -> Tensor:
+    def __init__(self, message: str, tensor: str):
+        super().__init__(message)
+        self.tensor = tensor
+
+
+def _taker(todo: Dict[str, Tensor], what: str):
+    """``take(name, *shape)``: pop ``name`` from ``todo`` (checking its shape when given)
+    or raise naming it."""
+
+    def take(name: str, *shape: int) -> Tensor:
         if name not in todo:
-            raise ValueError(f"{what}: missing tensor {name!r}")
-        return todo.pop(name)
+            raise TensorError(f"{what}: missing tensor {name!r}", name)
+        tensor = todo.pop(name)
+        if shape and tuple(tensor.shape) != shape:
+            raise TensorError(f"{what}: tensor {name!r} has shape {list(tensor.shape)}, config.json implies "
+                              f"{list(shape)}; the weights do not belong to this config", name)
+        return tensor
 
     return take
 
@@ -161,41 +201,50 @@ def hf_to_megatron(state: Dict[str, Tensor], cfg: dict) -> Dict[str, Tensor]:
     """HF ``model.*`` / ``lm_head`` tensors -> stock Megatron names (copies, same dtype).
 
     Raises:
-        ValueError: a missing or unexpected tensor, or a shape mismatch, named.
+        TensorError: a missing tensor or one whose shape does not match ``cfg``, named.
+        ValueError: unexpected tensors, or a config that is not supported.
     """
     arch = _arch(cfg)
+    _check_fields(cfg, arch)
     todo = dict(state)
     take = _taker(todo, "checkpoint")
+    heads, groups, hd = _dims(cfg)
+    hidden, vocab, ffn = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
 
-    out = {"embedding.word_embeddings.weight": take("model.embed_tokens.weight")}
+    out = {"embedding.word_embeddings.weight": take("model.embed_tokens.weight", vocab, hidden)}
     for i in range(cfg["num_hidden_layers"]):
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
         attn = hf + "self_attn."
-        out[mg + "input_layernorm.weight"] = take(hf + "input_layernorm.weight")
+        out[mg + "input_layernorm.weight"] = take(hf + "input_layernorm.weight", hidden)
         out[mg + "self_attention.linear_qkv.weight"] = _qkv_to_megatron(
-            take(attn + "q_proj.weight"), take(attn + "k_proj.weight"), take(attn + "v_proj.weight"), cfg)
+            take(attn + "q_proj.weight", heads * hd, hidden), take(attn + "k_proj.weight", groups * hd, hidden),
+            take(attn + "v_proj.weight", groups * hd, hidden), cfg)
         if attn + "q_proj.bias" in todo:
             out[mg + "self_attention.linear_qkv.bias"] = _qkv_to_megatron(
-                take(attn + "q_proj.bias"), take(attn + "k_proj.bias"), take(attn + "v_proj.bias"), cfg)
+                take(attn + "q_proj.bias", heads * hd), take(attn + "k_proj.bias", groups * hd),
+                take(attn + "v_proj.bias", groups * hd), cfg)
         if attn + "q_norm.weight" in todo:
-            out[mg + "self_attention.q_layernorm.weight"] = take(attn + "q_norm.weight")
-            out[mg + "self_attention.k_layernorm.weight"] = take(attn + "k_norm.weight")
-        out[mg + "self_attention.linear_proj.weight"] = take(attn + "o_proj.weight")
-        out[mg + "pre_mlp_layernorm.weight"] = take(hf + "post_attention_layernorm.weight")
+            out[mg + "self_attention.q_layernorm.weight"] = take(attn + "q_norm.weight", hd)
+            out[mg + "self_attention.k_layernorm.weight"] = take(attn + "k_norm.weight", hd)
+        out[mg + "self_attention.linear_proj.weight"] = take(attn + "o_proj.weight", hidden, heads * hd)
+        out[mg + "pre_mlp_layernorm.weight"] = take(hf + "post_attention_layernorm.weight", hidden)
         if arch in MOE_ARCHS:
             block, (gate, up, down) = _EXPERT_NAMES[arch]
-            out[mg + "mlp.router.weight"] = take(hf + block + "gate.weight")
-            for j in range(num_experts(cfg)):
+            experts = num_experts(cfg)
+            moe_ffn = cfg["moe_intermediate_size"] if arch == "Qwen3MoeForCausalLM" else ffn
+            out[mg + "mlp.router.weight"] = take(hf + block + "gate.weight", experts, hidden)
+            for j in range(experts):
                 src, dst = f"{hf}{block}experts.{j}.", f"{mg}mlp.experts.local_experts.{j}."
-                out[dst + "linear_fc1.weight"] = torch.cat([take(src + gate + ".weight"), take(src + up + ".weight")])
-                out[dst + "linear_fc2.weight"] = take(src + down + ".weight")
+                out[dst + "linear_fc1.weight"] = torch.cat([take(src + gate + ".weight", moe_ffn, hidden),
+                                                            take(src + up + ".weight", moe_ffn, hidden)])
+                out[dst + "linear_fc2.weight"] = take(src + down + ".weight", hidden, moe_ffn)
             continue
         out[mg + "mlp.linear_fc1.weight"] = torch.cat(
-            [take(hf + "mlp.gate_proj.weight"), take(hf + "mlp.up_proj.weight")])
-        out[mg + "mlp.linear_fc2.weight"] = take(hf + "mlp.down_proj.weight")
-    out["decoder.final_layernorm.weight"] = take("model.norm.weight")
+            [take(hf + "mlp.gate_proj.weight", ffn, hidden), take(hf + "mlp.up_proj.weight", ffn, hidden)])
+        out[mg + "mlp.linear_fc2.weight"] = take(hf + "mlp.down_proj.weight", hidden, ffn)
+    out["decoder.final_layernorm.weight"] = take("model.norm.weight", hidden)
     if not cfg.get("tie_word_embeddings", False):
-        out["output_layer.weight"] = take("lm_head.weight")
+        out["output_layer.weight"] = take("lm_head.weight", vocab, hidden)
     else:
         todo.pop("lm_head.weight", None)
     todo = {k: v for k, v in todo.items() if not k.endswith("rotary_emb.inv_freq")}

@@ -269,6 +269,21 @@ def _save_strategy():
     return None, "megatron default torch_dist (writer processes)"
 
 
+def save_sharded(state: Dict[str, Any], directory: str) -> str:
+    """``dist_checkpointing.save(state, directory)`` written by the calling process
+    (:class:`InProcessSaveStrategy`; the stock strategy if this megatron-core lacks what
+    it relies on), so a killed process leaves no writer behind. Collective, like
+    ``dist_checkpointing.save``. Used by :func:`save_checkpoint` and the checkpoint
+    converter (:mod:`megatron_branch.hf.convert`).
+
+    Returns:
+        The writer used, in words (recorded next to the checkpoint).
+    """
+    strategy, writer = _save_strategy()
+    dist_checkpointing.save(state, directory, sharded_strategy=strategy)  # ends with a barrier
+    return writer
+
+
 # ------------------------------------------------------------------------ state dicts
 def _layout() -> Dict[str, int]:
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -534,9 +549,8 @@ def save_checkpoint(
     if _rank() == 0:
         os.makedirs(tmp)
     _barrier()
-    strategy, writer = _save_strategy()
     state = _sharded_state(chunks, optimizer, is_loading=False, rng=rng_state(), layout=layout)
-    dist_checkpointing.save(state, tmp, sharded_strategy=strategy)  # ends with a barrier
+    writer = save_sharded(state, tmp)  # ends with a barrier
     if _rank() == 0:
         train_state = {
             "format_version": FORMAT_VERSION,
