@@ -23,11 +23,13 @@ setup(
     ],
     extras_require={
         "dev": ["pytest>=7", "psutil", "safetensors", "matplotlib", "transformers", "nemo-run==0.11.1", "leptonai<0.47",
-                "nvidia-modelopt==0.47.*", "requests", "huggingface_hub"],
+                "nvidia-modelopt==0.47.*", "requests", "huggingface_hub", "prefix_grouper"],
         # GPU machines only: never let pip build Transformer Engine on a CPU machine.
         "te": ["transformer-engine[pytorch]"],
         "modelopt": ["nvidia-modelopt==0.47.*", "requests", "huggingface_hub"],
         "hf": ["transformers", "safetensors"],
+        # the bench's comparison with the real prefix_grouper package (what verl's use_prefix_grouper runs)
+        "peer": ["prefix_grouper", "transformers", "safetensors"],
         "launch": ["nemo-run==0.11.1", "leptonai<0.47"],
         # What Megatron-LM's megatron/training (pretrain) and Megatron-RL (train_rl.py) import
         # at core_v0.16.1; Megatron-LM itself is a git checkout (patches/megatron-lm-core_v0.16.1).

@@ -4,39 +4,134 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from megatron_branch.flops import ModelShape, causal_pairs, step_flops
 from megatron_branch.bench.run import BenchConfig, Shape, format_table, plot, run_bench
 
-METHODS = {"naive", "packed", "prompt_once", "dense_tree", "ours", "ours_stream"}
+TREE_METHODS = {"packed", "prompt_once", "dense_tree", "ours", "ours_stream"}
 
 
-def tiny_config():
+def tiny_config(**kw):
     return BenchConfig(
         hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=128, chunk_tokens=48,
-        repeats=1, shapes=[Shape("G=4", [64], [4], [16]), Shape("multi", [32], [2, 3], [8, 8])],
+        repeats=3, threads=1, shapes=[Shape("G=4", [64], [4], [16]), Shape("multi", [32], [2, 3], [8, 8]),
+                           Shape("agentic", [16] * 2, [3, 3], [4, 4])], **kw,
     )
 
 
+def _check_spread(d):
+    assert set(d) == {"median", "min", "max"}, d
+    assert d["min"] <= d["median"] <= d["max"], d
+
+
 def test_tiny_bench_report(tmp_path):
-    report = run_bench(tiny_config(), echo=lambda *_: None)
-    assert report["schema_version"] == 1
-    assert len(report["shapes"]) == 2
+    report = run_bench(tiny_config(profile_shapes=["G=4"]), echo=lambda *_: None)
+    assert report["schema_version"] == 2
+    assert len(report["shapes"]) == 3
     for shape in report["shapes"]:
         assert shape["unique_positions"] < shape["naive_positions"]
         assert shape["ideal_flop_ratio"] > 1
         rows = {r["method"]: r for r in shape["methods"]}
-        assert set(rows) == METHODS
+        num = shape["rollouts"]
+        sweep = {f"naive_mb{k}" for k in sorted({1, 2, 4, num})}
+        assert set(rows) == TREE_METHODS | sweep, set(rows)
+        assert shape["naive_reference"] in sweep
+        # the reference is the fastest naive micro-batching by median time
+        best = min(sweep, key=lambda n: rows[n]["seconds"]["median"])
+        assert shape["naive_reference"] == best
         for r in rows.values():
             assert r["kernel"] and r["flops"] > 0
-            assert r["max_rel_grad_diff"] < 1e-5, (shape["shape"], r)  # every method is exact
-            assert r["seconds"] > 0 and r["peak_memory_bytes"] > 0 and r["speedup"] > 0
-        assert rows["naive"]["speedup"] == 1.0
-        assert rows["ours"]["flops"] < rows["naive"]["flops"]
+            assert r["max_rel_grad_diff"] < 1e-5, (shape["shape"], r)  # every method is exact vs naive_mb1
+            _check_spread(r["seconds"])
+            _check_spread(r["speedup"])
+            assert r["seconds"]["min"] > 0 and r["peak_memory_bytes"] > 0
+            assert abs(r["fraction_of_ideal"]["median"] * shape["ideal_flop_ratio"] - r["speedup"]["median"]) < 1e-9
+        assert rows[shape["naive_reference"]]["speedup"] == {"median": 1.0, "min": 1.0, "max": 1.0}
+        # padding: micro-batches of one rollout run exactly the rollouts' positions
+        assert rows["naive_mb1"]["positions"] == shape["naive_positions"]
+        assert rows["ours"]["flops"] < rows["naive_mb1"]["flops"]
+    assert next(s for s in report["shapes"] if s["shape"] == "agentic")["segments"] >= 2 * (1 + 3 + 9)  # random tokens: siblings may share a first token
+    prof = report["profile"][0]
+    assert prof["shape"] == "G=4" and prof["ours_wall_seconds"] > 0
+    total = sum(r["ours_seconds"] for r in prof["rows"])
+    assert abs(total - prof["ours_wall_seconds"]) < 1e-6 * max(1.0, total) + 1e-9  # categories + overhead = wall
     table = format_table(report)
-    assert "ideal FLOP ratio" in table and "ours_stream" in table
+    assert "ideal FLOP ratio" in table and "ours_stream" in table and "naive_mb4" in table
+    assert "where ours' gap" in table and "[" in table
     plot(report, str(tmp_path / "bench.png"))
     assert (tmp_path / "bench.png").stat().st_size > 10_000
     json.dumps(report)
+
+
+def test_quick_config_shapes():
+    quick, full = BenchConfig.quick(), BenchConfig.full()
+    assert quick.repeats >= 3 and full.repeats >= 3
+    for cfg in (quick, full):
+        names = [s.name for s in cfg.shapes]
+        assert any("agentic" in n for n in names) and any("no sharing" in n for n in names)
+    full_shapes = {s.name: s for s in full.shapes}
+    forest = full_shapes["agentic forest 4x128, 3 turns x16, 4-way"].batch(full.vocab_size, 0)
+    from megatron_branch.tree import BranchTree
+
+    assert len(forest.sequences) == 256
+    assert len(BranchTree.from_sequences(forest.sequences).segments) >= 300
+    long = full_shapes["16x(4096+96)"].batch(full.vocab_size, 0)
+    assert len(long.sequences) == 16 and set(long.lengths) == {4096 + 96}
+
+
+def test_peer_prefix_grouper_is_exact():
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[peer])")
+    pytest.importorskip("prefix_grouper", reason="prefix_grouper is not installed (pip install -e .[peer])")
+    from megatron_branch.bench.peer import format_peer, run_peer
+    from megatron_branch.cpu import enable_cpu
+    from megatron_branch.distributed import init_distributed
+
+    enable_cpu()
+    init_distributed()
+    cfg = tiny_config(peer=True, peer_shapes=[Shape("G=4", [48], [4], [12]), Shape("2 prompts", [40, 50], [3], [9])])
+    peer = run_peer(cfg, echo=lambda *_: None)
+    assert "mb_sdpa_varlen" in peer["inner_attention"]
+    for s in peer["shapes"]:
+        rows = {r["method"]: r for r in s["methods"]}
+        assert {"prefix_grouper", "ours", "hf_naive_mb1"} <= set(rows)
+        assert s["hf_naive_reference"].startswith("hf_naive_mb")
+        for name, r in rows.items():
+            _check_spread(r["seconds"])
+            _check_spread(r["speedup"])
+            assert r["max_rel_grad_diff"] < 1e-5, (s["shape"], name, r)
+        # log-probs of the response tokens agree with every rollout run through HF alone
+        assert rows["prefix_grouper"]["max_abs_logprob_diff"] < 1e-5
+        assert rows["ours"]["max_abs_logprob_diff"] < 1e-5
+    assert "prefix_grouper" in format_peer(peer)
+
+
+def test_sdpa_varlen_matches_per_sequence_causal():
+    """The CPU stand-in for flash-attn's padded path: prefix + suffix keys with padding."""
+    import torch
+    import torch.nn.functional as F
+
+    from megatron_branch.bench.peer import sdpa_varlen_attention
+
+    torch.manual_seed(0)
+    b, h, d, sk, sq = 2, 2, 8, 10, 4
+    q, k, v = torch.randn(b, h, sq, d), torch.randn(b, h, sk, d), torch.randn(b, h, sk, d)
+    # row 0: prefix 3 of 6 valid, suffix 4 of 4; row 1: prefix 6 of 6, suffix 2 of 4
+    mask = torch.zeros(b, sk, dtype=torch.bool)
+    mask[0, :3] = True
+    mask[0, 6:] = True
+    mask[1, :6] = True
+    mask[1, 6:8] = True
+    out, _ = sdpa_varlen_attention(None, q, k, v, mask, scaling=d ** -0.5)
+    for i in range(b):
+        keys = mask[i].nonzero()[:, 0]
+        nq = int(mask[i, -sq:].sum())
+        qi = q[i, :, :nq]
+        ref = F.scaled_dot_product_attention(qi, k[i, :, keys], v[i, :, keys], scale=d ** -0.5,
+                                             attn_mask=torch.ones(nq, len(keys), dtype=torch.bool).tril(
+                                                 len(keys) - nq))
+        torch.testing.assert_close(out[i, :nq].transpose(0, 1), ref)
+        assert out[i, nq:].abs().max() == 0 if nq < sq else True
 
 
 def test_flops_by_hand():
@@ -77,10 +172,11 @@ def test_moe_shape_is_exact_and_reports_the_ideal_ratio():
     report = run_bench(cfg, methods=["naive", "prompt_once", "ours", "ours_stream"], echo=lambda *_: None)
     shape = report["shapes"][0]
     rows = {r["method"]: r for r in shape["methods"]}
-    assert set(rows) == {"naive", "prompt_once", "ours", "ours_stream"}
+    # MoE: one naive batch (the router's load-balancing statistics are per batch)
+    assert set(rows) == {"naive_mb4", "prompt_once", "ours", "ours_stream"}
     assert shape["ideal_flop_ratio"] > 1
     for r in rows.values():
         # router statistics weighted by multiplicity: every method equals the naive MoE batch
         assert r["max_rel_grad_diff"] < 1e-5, r
-        assert r["speedup"] > 0 and "fraction_of_ideal" in r
+        assert r["speedup"]["median"] > 0 and "fraction_of_ideal" in r
     assert "MoE 4x top-2" in format_table(report)

@@ -3,10 +3,17 @@
 All run the same GPTModel weights and the same fused attention kernel family (torch's
 CPU flash kernel through SDPA or the cascade's piece calls), so ratios measure methods.
 
-* ``naive``: every rollout in full, one right-padded batch (plain trainers).
+* ``naive_mb{k}``: every rollout in full, ``k`` rollouts per micro-batch (right-padded,
+  gradient accumulation over the micro-batches), the causal fused SDPA kernel
+  (``is_causal``, no mask tensor) of the branch-spec model's plain path, which computes
+  the stock local spec's attention. ``k`` runs over 1, 2, 4 and all rollouts; the
+  fastest (by median) is the reference for speed-ups (``naive_reference`` in the
+  report). On a MoE model only the single batch runs (the router's load-balancing
+  statistics are per batch, so micro-batches would change the loss).
 * ``packed``: rollouts packed without deduplication ("remove padding").
 * ``prompt_once``: prompts computed once, their K/V copied for every rollout inside
-  attention (Prefix Grouper; one level of sharing).
+  attention (our re-implementation of Prefix Grouper's scheme; one level of sharing —
+  the real ``prefix_grouper`` package is compared in :mod:`megatron_branch.bench.peer`).
 * ``dense_tree``: the full tree with a dense ``[U, U]`` mask (AReaL's Megatron path).
 * ``ours``: the full tree, cascade attention, one packed pass.
 * ``ours_stream``: the full tree, streaming replay with a bounded chunk.
@@ -45,12 +52,42 @@ class Prepared:
     skipped: str = ""
 
 
+NAIVE_MICRO_BATCHES = (1, 2, 4, None)  # None: all rollouts in one batch
+
+
+def causal_logprobs(model, sequences: List[torch.Tensor], width: int) -> torch.Tensor:
+    """``[r, width]`` log-probs of one right-padded micro-batch, causal attention without a
+    mask tensor (fused ``is_causal`` SDPA); padding only follows each rollout's end."""
+    from megatron_branch.naive import _token_logprobs
+
+    lengths = torch.tensor([s.numel() for s in sequences])
+    max_len = int(lengths.max())
+    ids = torch.zeros(len(sequences), max_len, dtype=torch.long)
+    for i, s in enumerate(sequences):
+        ids[i, : s.numel()] = s
+    pos = torch.arange(max_len).unsqueeze(0).expand(len(sequences), -1)
+    logits = model(ids, pos, attention_mask=None)
+    lp = _token_logprobs(logits[:, :-1], ids[:, 1:])
+    valid = torch.arange(1, max_len)[None, :] < lengths[:, None]
+    lp = torch.where(valid, lp, torch.zeros(()))
+    return torch.nn.functional.pad(lp, (0, width - lp.shape[1]))
+
+
+def naive_micro_batches(num: int, moe: bool = False) -> List[int]:
+    """Micro-batch sizes of the naive sweep (MoE: one batch only, since the router's
+    load-balancing statistics are per batch and micro-batches would change the loss)."""
+    if moe:
+        return [num]
+    return sorted({min(k or num, num) for k in NAIVE_MICRO_BATCHES})
+
+
 def prepare_methods(
     models: Dict[str, torch.nn.Module],
     batch: RolloutBatch,
     loss_fn,
     chunk_tokens: int,
     names: Optional[List[str]] = None,
+    dense_max_score_bytes: int = DENSE_MAX_SCORE_BYTES,
 ) -> List[Prepared]:
     """Bind every method to ``batch``.
 
@@ -60,7 +97,12 @@ def prepare_methods(
         batch: the rollouts.
         loss_fn: ``(lp, rollout_ids) -> scalar``, additive over rollouts.
         chunk_tokens: the streaming budget of ``ours_stream``.
-        names: a subset of methods to prepare (default: all).
+        names: a subset of methods to prepare (default: all; ``"naive"`` selects the
+            whole micro-batch sweep).
+        dense_max_score_bytes: ``dense_tree`` is skipped above this many score bytes.
+
+    Every tree method's step builds its tree (``BranchTree.from_sequences``) inside the
+    timed step, as a trainer would per batch.
     """
     seqs = batch.sequences
     num = len(seqs)
@@ -77,29 +119,45 @@ def prepare_methods(
     else:
         naive_logprobs, step = batched_rollout_logprobs, replay_step
 
-    def naive():
-        loss_fn(naive_logprobs(models["cascade"], seqs), all_ids).backward()
+    width = lmax - 1
 
-    def replay(model, t, **kw):
-        return lambda: step(model, t, loss_fn, **kw)
+    def naive_step(k):
+        def run():
+            if moe:
+                loss_fn(naive_logprobs(models["cascade"], seqs), all_ids).backward()
+                return
+            for lo in range(0, num, k):
+                ids = all_ids[lo: lo + k]
+                loss_fn(causal_logprobs(models["cascade"], seqs[lo: lo + k], width), ids).backward()
+        return run
+
+    def replay(model, share_limit=None, **kw):
+        tree_kw = {} if share_limit is None else {"share_limit": share_limit}
+        return lambda: step(model, BranchTree.from_sequences(seqs, **tree_kw), loss_fn, **kw)
 
     heads = models["dense"].config.num_attention_heads
     dense_bytes = 4 * heads * tree.unique_positions**2
-    methods = [
-        Prepared("naive", "SDPA fused causal (padded batch)", num * lmax, num * causal_pairs(lmax), naive),
+    dense_ok = dense_bytes <= dense_max_score_bytes
+    kernel = "SDPA fused causal (padded batch)" if moe else "SDPA fused is_causal (right-padded micro-batches)"
+    methods = []
+    for k in naive_micro_batches(num, moe):
+        chunks = [batch.lengths[lo: lo + k] for lo in range(0, num, k)]
+        positions = sum(len(c) * max(c) for c in chunks)  # padded to each micro-batch's longest
+        pairs = sum(len(c) * causal_pairs(max(c)) for c in chunks)
+        methods.append(Prepared(f"naive_mb{k}", f"{kernel}, {k} per micro-batch", positions, pairs, naive_step(k)))
+    methods += [
         Prepared("packed", "cascade pieces (flash CPU), no sharing", unshared.unique_positions,
-                 unshared.attention_pairs(), replay(models["cascade"], unshared)),
+                 unshared.attention_pairs(), replay(models["cascade"], 0)),
         Prepared("prompt_once", "SDPA fused, prompt K/V repeated per rollout", prompt_tree.unique_positions,
-                 prompt_tree.attention_pairs(), replay(models["repeat_kv"], prompt_tree)),
+                 prompt_tree.attention_pairs(), replay(models["repeat_kv"], batch.prompt_lengths)),
         Prepared("dense_tree", "dense [U, U] mask, float32 softmax", tree.unique_positions,
-                 tree.unique_positions**2,
-                 replay(models["dense"], tree) if dense_bytes <= DENSE_MAX_SCORE_BYTES else None,
-                 "" if dense_bytes <= DENSE_MAX_SCORE_BYTES else "O(U^2) scores exceed 2 GiB"),
+                 tree.unique_positions**2, replay(models["dense"]) if dense_ok else None,
+                 "" if dense_ok else f"O(U^2) scores exceed {dense_max_score_bytes / 2**30:.2g} GiB"),
         Prepared("ours", "cascade pieces (flash CPU), one pass", tree.unique_positions,
-                 tree.attention_pairs(), replay(models["cascade"], tree)),
+                 tree.attention_pairs(), replay(models["cascade"])),
         Prepared("ours_stream", f"cascade + prefix cache, chunks of {chunk_tokens}", tree.unique_positions,
-                 tree.attention_pairs(), replay(models["cascade"], tree, max_chunk_tokens=chunk_tokens)),
+                 tree.attention_pairs(), replay(models["cascade"], max_chunk_tokens=chunk_tokens)),
     ]
     if names:
-        methods = [m for m in methods if m.name in names]
+        methods = [m for m in methods if m.name in names or (m.name.startswith("naive_") and "naive" in names)]
     return methods

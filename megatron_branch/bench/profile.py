@@ -1,0 +1,98 @@
+"""Where branch replay's remaining gap to the ideal ratio goes (``megatron-branch bench``).
+
+For one shape, the fastest naive micro-batching and ``ours`` each run once more under
+``torch.profiler`` (CPU). Every ATen op's *self* time is put in a category by its name;
+what the ops do not account for of the wall time is Python and dispatch overhead (module
+calls, autograd bookkeeping, the replay planner). A perfectly efficient tree method would
+spend ``naive / ideal_ratio`` in every category; the *excess* of ours over that, per
+category, is where the gap goes. Both runs are profiled, so the profiler's own overhead
+lands mostly in the overhead row of both.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, List
+
+import torch
+
+CATEGORIES = (
+    ("attention kernel", ("scaled_dot_product", "flash_attention", "efficient_attention")),
+    ("GEMMs (linear layers, logits)", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul",
+                                       "aten::linear", "aten::_addmm_activation")),
+    ("logits / cross-entropy / softmax", ("softmax", "nll_loss", "logsumexp", "cross_entropy", "aten::exp",
+                                          "aten::log", "aten::max", "aten::amax", "aten::sum")),
+    ("gathers / index / copies", ("index", "gather", "scatter", "aten::cat", "aten::stack", "copy", "clone",
+                                  "contiguous", "embedding", "masked", "aten::where", "repeat", "pad",
+                                  "aten::zeros", "aten::empty", "fill_", "narrow", "aten::split", "aten::take")),
+)
+OTHER = "other ATen (norms, activations, elementwise)"
+OVERHEAD = "Python / dispatch overhead (wall - op time)"
+
+
+def _category(name: str) -> str:
+    for label, keys in CATEGORIES:
+        if any(k in name for k in keys):
+            return label
+    return OTHER
+
+
+def _profile(step, zero) -> Dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    zero()
+    step()  # warm
+    zero()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        step()
+        wall = time.perf_counter() - start
+    out = {label: 0.0 for label, _ in CATEGORIES}
+    out[OTHER] = 0.0
+    for ev in prof.key_averages():
+        if not ev.key.startswith("aten::"):
+            continue  # autograd nodes and record_function ranges: their children are counted
+        out[_category(ev.key)] += ev.self_cpu_time_total / 1e6
+    out[OVERHEAD] = max(wall - sum(out.values()), 0.0)
+    out["wall"] = wall
+    return out
+
+
+def profile_gap(shape_name: str, summary: dict, models, batch, loss_fn, prepared) -> dict:
+    """The per-category breakdown of ``ours`` vs the fastest naive scaled by the ideal ratio."""
+    by_name = {p.name: p for p in prepared}
+    ref = summary["naive_reference"]
+    ideal = summary["ideal_flop_ratio"]
+
+    def zero():
+        for m in models.values():
+            m.zero_grad(set_to_none=True)
+
+    naive = _profile(by_name[ref].step, zero)
+    ours = _profile(by_name["ours"].step, zero)
+    gap = ours["wall"] - naive["wall"] / ideal
+    rows: List[dict] = []
+    for label in [c for c, _ in CATEGORIES] + [OTHER, OVERHEAD]:
+        target = naive[label] / ideal
+        rows.append({"category": label, "naive_seconds": naive[label], "naive_over_ideal_seconds": target,
+                     "ours_seconds": ours[label], "excess_seconds": ours[label] - target,
+                     "share_of_gap": (ours[label] - target) / gap if gap > 0 else None})
+    return {"shape": shape_name, "naive_reference": ref, "ideal_flop_ratio": ideal,
+            "naive_wall_seconds": naive["wall"], "ours_wall_seconds": ours["wall"],
+            "ideal_ours_seconds": naive["wall"] / ideal, "gap_seconds": gap,
+            "fraction_of_ideal_profiled": naive["wall"] / ours["wall"] / ideal, "rows": rows}
+
+
+def format_profile(profiles: List[dict]) -> str:
+    lines = ["\nwhere ours' gap to the ideal ratio goes (torch.profiler, one profiled run each; seconds):"]
+    for p in profiles:
+        lines.append(f"\n{p['shape']}: naive ({p['naive_reference']}) {p['naive_wall_seconds']:.3f}s, ideal ours "
+                     f"{p['ideal_ours_seconds']:.3f}s, ours {p['ours_wall_seconds']:.3f}s, gap "
+                     f"{p['gap_seconds']:+.3f}s ({100 * p['fraction_of_ideal_profiled']:.0f}% of ideal under the "
+                     f"profiler)")
+        lines.append(f"{'category':<46s}{'naive':>9s}{'naive/ideal':>12s}{'ours':>9s}{'excess':>9s}{'of gap':>8s}")
+        for r in p["rows"]:
+            share = f"{100 * r['share_of_gap']:.0f}%" if r["share_of_gap"] is not None else "-"
+            lines.append(f"{r['category']:<46s}{r['naive_seconds']:>9.3f}{r['naive_over_ideal_seconds']:>12.3f}"
+                         f"{r['ours_seconds']:>9.3f}{r['excess_seconds']:>+9.3f}{share:>8s}")
+    return "\n".join(lines)
