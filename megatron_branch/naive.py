@@ -44,12 +44,16 @@ def naive_rollout_logprobs(model, sequences: Sequence) -> Tensor:
     return torch.stack(rows)
 
 
-def batched_rollout_logprobs(model, sequences: Sequence, multiple: int = 1) -> Tensor:
+def batched_rollout_logprobs(model, sequences: Sequence, multiple: int = 1, *, fused_causal: bool = False) -> Tensor:
     """``[R, max_len - 1]`` log-probs from one right-padded batch (causal attention).
 
     Padding sits after each rollout's end, so with causal attention it never influences
     a real token; its log-probs are zeroed. ``multiple`` pads the batch width further
-    (Transformer Engine's FP8 GEMMs need token counts divisible by 16).
+    (Transformer Engine's FP8 GEMMs need token counts divisible by 16). ``fused_causal``
+    passes no mask tensor, so the layer's own causal mask type applies: on the branch spec
+    that is torch's fused ``is_causal`` SDPA, the kernel family of the tree path (the
+    fair naive of the benchmarks); the default explicit ``[w, w]`` mask is what the stock
+    local spec needs.
     """
     seqs = _as_list(sequences)
     device = next(model.parameters()).device
@@ -60,7 +64,7 @@ def batched_rollout_logprobs(model, sequences: Sequence, multiple: int = 1) -> T
     for i, s in enumerate(seqs):
         ids[i, : s.numel()] = s.to(device)
     pos = torch.arange(width, device=device).unsqueeze(0).expand(len(seqs), -1)
-    mask = torch.ones(width, width, dtype=torch.bool, device=device).triu(1)[None, None]
+    mask = None if fused_causal else torch.ones(width, width, dtype=torch.bool, device=device).triu(1)[None, None]
     logits = model(ids, pos, attention_mask=mask)
     lp = _token_logprobs(logits[:, : max_len - 1], ids[:, 1:max_len])
     valid = torch.arange(1, max_len, device=device)[None, :] < lengths[:, None]

@@ -58,18 +58,7 @@ NAIVE_MICRO_BATCHES = (1, 2, 4, None)  # None: all rollouts in one batch
 def causal_logprobs(model, sequences: List[torch.Tensor], width: int) -> torch.Tensor:
     """``[r, width]`` log-probs of one right-padded micro-batch, causal attention without a
     mask tensor (fused ``is_causal`` SDPA); padding only follows each rollout's end."""
-    from megatron_branch.naive import _token_logprobs
-
-    lengths = torch.tensor([s.numel() for s in sequences])
-    max_len = int(lengths.max())
-    ids = torch.zeros(len(sequences), max_len, dtype=torch.long)
-    for i, s in enumerate(sequences):
-        ids[i, : s.numel()] = s
-    pos = torch.arange(max_len).unsqueeze(0).expand(len(sequences), -1)
-    logits = model(ids, pos, attention_mask=None)
-    lp = _token_logprobs(logits[:, :-1], ids[:, 1:])
-    valid = torch.arange(1, max_len)[None, :] < lengths[:, None]
-    lp = torch.where(valid, lp, torch.zeros(()))
+    lp = batched_rollout_logprobs(model, sequences, fused_causal=True)
     return torch.nn.functional.pad(lp, (0, width - lp.shape[1]))
 
 
