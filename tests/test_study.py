@@ -236,3 +236,32 @@ def test_tasks_and_tree_advantages():
     assert torch.equal(adv[:, :2], torch.zeros(4, 2))
     pairs, groups = preference_pairs(sample, torch.tensor([0.0, 1.0, 0.5, 0.5]))
     assert [int(p[0]) for p in pairs] == [1, 0] and groups == [0, 0]  # chosen first; the tie is dropped
+
+
+def test_naive_micro_batches_keep_pairs_and_equal_one_batch(model_pair):
+    """Naive micro-batches (gradient accumulation, whole DPO pairs) give the one-batch
+    log-probs and gradient; a bad size is refused."""
+    from megatron_branch.study.algos import Prepared
+
+    torch.manual_seed(0)
+    seqs = [torch.randint(0, 32, (n,)) for n in (9, 7, 11, 6, 8)]
+    prep = Prepared(seqs, torch.ones(5, 10), lambda _: None, group_ids=[0, 0, 1, 1, 2])
+    assert [b.tolist() for b in study_run._naive_micro_batches(prep, 1)] == [[0, 1], [2, 3], [4]]
+    assert [b.tolist() for b in study_run._naive_micro_batches(prep, 4)] == [[0, 1, 2, 3], [4]]
+    model = model_pair[0]
+    weights = torch.randn(5, 10)
+
+    def loss_fn(lp, ids):
+        return (lp * weights[ids]).sum()
+
+    results = []
+    for size in (None, 1, 2):
+        model.zero_grad()
+        mode = study_run.MODES["naive"]
+        loss, _, _ = study_run._backward(mode, model, prep, None, loss_fn, None, size)
+        results.append((loss, grads(model)))
+    for loss, g in results[1:]:
+        assert abs(loss - results[0][0]) <= 1e-5 * abs(results[0][0])
+        assert max(compare_grads(g, results[0][1]).values()) <= 1e-5
+    with pytest.raises(ValueError, match="naive_micro_batch"):
+        StudyConfig(naive_micro_batch=0)

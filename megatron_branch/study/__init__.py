@@ -37,6 +37,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--prompt-len", type=int, default=None)
     parser.add_argument("--chunk-tokens", type=int, default=None,
                         help="streaming budget (default: tails x tail length)")
+    parser.add_argument("--naive-micro-batch", type=int, default=None, metavar="N",
+                        help="rollouts per naive micro-batch (default: all in one batch); time 1, 2, 4, ... "
+                             "and compare against the fastest")
     parser.add_argument("--lr", type=float, default=None, help="AdamW learning rate for every algorithm")
     parser.add_argument("--threshold", type=float, default=None, help="reward threshold for the summary")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
@@ -49,7 +52,7 @@ def main(args) -> int:
 
     cfg = StudyConfig.quick() if args.quick else StudyConfig()
     for name in ("experiments", "modes", "seeds", "steps", "prompt_len", "chunk_tokens", "lr", "threshold",
-                 "threads"):
+                 "threads", "naive_micro_batch"):
         value = getattr(args, name)
         if value is not None:
             setattr(cfg, name, value)

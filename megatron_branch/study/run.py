@@ -7,8 +7,10 @@ so machine-load noise hits all modes in the same window and the timing ratios st
 
 Modes (:data:`MODES`):
 
-* ``naive``: every rollout in full, one right-padded causal batch through the same model
-  (:func:`megatron_branch.naive.batched_rollout_logprobs`), then ``loss.backward()``;
+* ``naive``: every rollout in full, right-padded causal micro-batches of
+  ``naive_micro_batch`` rollouts (default: one batch) through the same model on torch's
+  fused causal SDPA (:func:`megatron_branch.naive.batched_rollout_logprobs`), one
+  ``backward()`` per micro-batch;
 * ``exact``: :func:`megatron_branch.replay_step`, one packed pass over the unique tokens;
 * ``exact-streaming``: ``replay_step`` with ``max_chunk_tokens`` (stems cached, chunks of
   branches, exact stem backward);
@@ -125,6 +127,9 @@ class StudyConfig:
     guard_steps: int = 3
     """Steps over which naive and exact must agree."""
     guard_rtol: float = 1e-5
+    naive_micro_batch: Optional[int] = None
+    """Rollouts per naive micro-batch (whole DPO pairs; gradient accumulation); None: all
+    rollouts in one batch. The fair naive is the fastest size on the machine at hand."""
     threshold: float = 0.6
     """Reward threshold for the summary's steps/seconds to reach it."""
     threads: Optional[int] = 1
@@ -152,6 +157,8 @@ class StudyConfig:
         if self.chunk_tokens is not None and self.chunk_tokens < 2 * self.tail_len:
             raise ValueError(f"chunk_tokens: must hold a DPO pair's two tails (>= {2 * self.tail_len}), "
                              f"got {self.chunk_tokens}")
+        if self.naive_micro_batch is not None and self.naive_micro_batch < 1:
+            raise ValueError(f"naive_micro_batch: must be a positive number of rollouts, got {self.naive_micro_batch}")
         if not self.seeds:
             raise ValueError("seeds: at least one seed")
 
@@ -216,25 +223,55 @@ def _budget(mode: Mode, cfg: StudyConfig, tails: int) -> Optional[int]:
     return cfg.budget(tails) if mode.streaming else None
 
 
-def _extra_logprobs(mode: Mode, model, prep: Prepared, tree: Optional[BranchTree], budget) -> Tuple[Tensor, int]:
+def _naive_micro_batches(prep: Prepared, size: Optional[int]) -> List[Tensor]:
+    """Rollout ids of the naive micro-batches: whole groups (DPO pairs) in order, at most
+    ``size`` rollouts each unless one group is larger (``None``: one batch)."""
+    num = len(prep.sequences)
+    if size is None or size >= num:
+        return [torch.arange(num)]
+    groups: Dict[int, List[int]] = {}
+    for r, g in enumerate(prep.group_ids if prep.group_ids is not None else range(num)):
+        groups.setdefault(g, []).append(r)
+    batches, current = [], []
+    for members in groups.values():
+        if current and len(current) + len(members) > size:
+            batches.append(current)
+            current = []
+        current = current + members
+    return [torch.tensor(b) for b in batches + [current]]
+
+
+def _naive_logprobs(model, prep: Prepared, ids: Tensor) -> Tensor:
+    """``[len(ids), max_len - 1]`` log-probs of one naive micro-batch (fused causal SDPA,
+    the tree path's kernel family), padded to the step's width."""
+    width = max(s.numel() for s in prep.sequences) - 1
+    lp = batched_rollout_logprobs(model, [prep.sequences[i] for i in ids.tolist()], fused_causal=True)
+    return torch.nn.functional.pad(lp, (0, width - lp.shape[1]))
+
+
+def _extra_logprobs(mode: Mode, model, prep: Prepared, tree: Optional[BranchTree], budget,
+                    micro_batch: Optional[int]) -> Tuple[Tensor, int]:
     """Old/reference log-probs (forward only) and the positions that took."""
     with torch.no_grad():
         if not mode.replay:
-            lp = batched_rollout_logprobs(model, prep.sequences)
+            batches = _naive_micro_batches(prep, micro_batch)
+            lp = torch.cat([_naive_logprobs(model, prep, ids) for ids in batches])[torch.cat(batches).argsort()]
             return lp * prep.score_mask, sum(s.numel() for s in prep.sequences)
         return (replay_logprobs(model, tree, max_chunk_tokens=budget, score_mask=prep.score_mask),
                 tree.unique_positions)
 
 
 def _backward(mode: Mode, model, prep: Prepared, tree: Optional[BranchTree], loss_fn: StepLoss,
-              budget) -> Tuple[float, int, int]:
+              budget, micro_batch: Optional[int]) -> Tuple[float, int, int]:
     """Forward+backward of the step's loss; returns ``(loss, positions forward, backward)``."""
     if not mode.replay:
-        lp = batched_rollout_logprobs(model, prep.sequences)
-        loss = loss_fn(lp, torch.arange(len(prep.sequences)))
-        loss.backward()
+        total = 0.0
+        for ids in _naive_micro_batches(prep, micro_batch):  # the loss is additive over rollouts
+            loss = loss_fn(_naive_logprobs(model, prep, ids), ids)
+            loss.backward()
+            total += float(loss.detach())
         n = sum(s.numel() for s in prep.sequences)
-        return float(loss.detach()), n, n
+        return total, n, n
     stats = replay_step(model, tree, loss_fn, max_chunk_tokens=budget, prefix_grad=mode.prefix_grad,
                         group_ids=prep.group_ids, score_mask=prep.score_mask)
     backward = stats.unique_positions
@@ -317,7 +354,8 @@ def _step(state: _State, cfg: StudyConfig, algo, task, ref_model, prompts: int, 
     tree = BranchTree.from_sequences(prep.sequences, vocab_size=cfg.vocab_size) if mode.replay else None
     extra = None
     if prep.needs is not None:
-        extra, n = _extra_logprobs(mode, model if prep.needs == "old" else ref_model, prep, tree, budget)
+        extra, n = _extra_logprobs(mode, model if prep.needs == "old" else ref_model, prep, tree, budget,
+                                   cfg.naive_micro_batch)
         fwd += n
     seconds += time.perf_counter() - start
     cpu_seconds += time.process_time() - cpu
@@ -327,7 +365,7 @@ def _step(state: _State, cfg: StudyConfig, algo, task, ref_model, prompts: int, 
         state.optimizer.zero_grad(set_to_none=True)
         loss_fn.reset()
         start, cpu = time.perf_counter(), time.process_time()
-        loss, f, b = _backward(mode, model, prep, tree, loss_fn, budget)
+        loss, f, b = _backward(mode, model, prep, tree, loss_fn, budget, cfg.naive_micro_batch)
         seconds += time.perf_counter() - start
         cpu_seconds += time.process_time() - cpu
         fwd, bwd = fwd + f, bwd + b
