@@ -51,6 +51,7 @@ OUTPUTS: Dict[str, Tuple[Tuple[str, str], ...]] = {
     "bench-cp": (("out", "dir"),),
     "bench-scale": (("json", "file"),),
     "plan": (("json", "file"),),
+    "study": (("out", "dir"), ("json", "file")),
 }
 INPUTS: Dict[str, Tuple[Tuple[str, str], ...]] = {
     "plan": (("hf_config", "json"),),

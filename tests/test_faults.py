@@ -117,6 +117,9 @@ def one_line(capsys):
     (["demo", "--repeats", "0"], "--repeats: must be >= 1"),
     (["bench", "--out", "{file}"], "--out {file}: is a file, not a directory"),
     (["bench-cp", "--out", "{file}/sub"], "is a file; choose a directory"),
+    (["bench", "--threads", "0"], "--threads: must be >= 1"),
+    (["study", "--naive-micro-batch", "0"], "naive_micro_batch: must be a positive number"),
+    (["study", "--out", "{file}"], "is a file"),
     (["bench-scale", "--json", "{dir}"], "is a directory; give a file path"),
     (["demo", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
 ])

@@ -265,3 +265,19 @@ def test_naive_micro_batches_keep_pairs_and_equal_one_batch(model_pair):
         assert max(compare_grads(g, results[0][1]).values()) <= 1e-5
     with pytest.raises(ValueError, match="naive_micro_batch"):
         StudyConfig(naive_micro_batch=0)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(modes=["fast"]), "modes"),
+    (dict(experiments=["grpo"]), "experiments"),
+    (dict(experiments=["grpo:chess"]), "experiments"),
+    (dict(steps=0), "steps"),
+    (dict(prompt_len=1), "prompt_len"),
+    (dict(chunk_tokens=3), "chunk_tokens"),
+    (dict(seeds=[]), "seeds"),
+    (dict(threads=0), "threads"),
+    (dict(naive_micro_batch=0), "naive_micro_batch"),
+])
+def test_bad_study_settings_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        StudyConfig(**kwargs)

@@ -157,6 +157,8 @@ class StudyConfig:
         if self.chunk_tokens is not None and self.chunk_tokens < 2 * self.tail_len:
             raise ValueError(f"chunk_tokens: must hold a DPO pair's two tails (>= {2 * self.tail_len}), "
                              f"got {self.chunk_tokens}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads: must be >= 1 (or None for torch's default), got {self.threads}")
         if self.naive_micro_batch is not None and self.naive_micro_batch < 1:
             raise ValueError(f"naive_micro_batch: must be a positive number of rollouts, got {self.naive_micro_batch}")
         if not self.seeds:
