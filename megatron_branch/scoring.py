@@ -29,6 +29,19 @@ def check_model(model, tree: BranchTree) -> None:
             "model: not built with megatron_branch.get_branch_layer_spec (no tree attention "
             "layers); positions and visibility would be wrong"
         )
+    from megatron_branch._megatron import MoELayer
+    from megatron_branch.moe import BranchMoELayer
+
+    stock_moe = next((n for n, m in model.named_modules() if isinstance(m, MoELayer)
+                      and not isinstance(m, BranchMoELayer)), None)
+    if stock_moe is not None:
+        # Megatron's router computes its batch statistics (aux losses, expert-bias counts,
+        # capacity) over the tokens it sees: the unique tree tokens, not the naive batch.
+        raise ValueError(
+            f"model: {stock_moe} is Megatron's stock MoELayer, whose router statistics would count each "
+            "shared token once instead of once per rollout; build the spec with "
+            "get_branch_layer_spec(num_experts=...) or apply megatron_branch.moe.apply_branch_moe to it"
+        )
     vocab = getattr(unwrap(model), "vocab_size", None)
     if vocab is not None and tree.unique_positions and int(tree.tokens.max()) >= vocab:
         bad = int(tree.tokens.max())

@@ -369,3 +369,17 @@ def test_block_spec_with_dense_and_moe_layers():
     assert not isinstance(layers[0].mlp, moe.BranchMoELayer) and isinstance(layers[1].mlp, moe.BranchMoELayer)
     assert isinstance(layers[1], moe.BranchMoETransformerLayer)
     check(branch, stock, ragged(), one_pass)
+
+
+def test_stock_moe_layers_under_tree_attention_are_refused():
+    """apply_branch_attention alone on a MoE spec leaves Megatron's MoELayer, whose router
+    statistics would count shared tokens once: tree data through it is a clear error."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    config = moe_config(moe_layer_freq=[0, 1])
+    spec = apply_branch_attention(get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                                             normalization="RMSNorm"))
+    model = GPTModel(config, spec, VOCAB, 4096, position_embedding_type="rope",
+                     share_embeddings_and_output_weights=False)
+    with pytest.raises(ValueError, match="stock MoELayer.*apply_branch_moe"):
+        mb.rollout_logprobs(model, mb.BranchTree.from_sequences(ragged()))
