@@ -23,6 +23,7 @@ from typing import List, Literal, Optional, Sequence
 import torch
 from torch import Tensor
 
+from megatron_branch import losses
 from megatron_branch.tree import BranchTree
 
 Role = Literal["prompt", "policy", "tool"]
@@ -127,7 +128,6 @@ def group_turn_advantages(turn_rewards: Tensor, group_size: int, eps: float = 1e
     if turn_rewards.dim() != 2 or group_size < 1 or turn_rewards.shape[0] % group_size:
         raise ValueError(f"group_size: {group_size} does not divide the {turn_rewards.shape[0]} rollouts of "
                          f"turn_rewards {tuple(turn_rewards.shape)}")
-    g = turn_rewards.float().view(-1, group_size, turn_rewards.shape[1])
-    adv = (g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True, unbiased=True) + eps) if group_size > 1 \
-        else torch.zeros_like(g)
-    return adv.view_as(turn_rewards)
+    turns = turn_rewards.shape[1]
+    per_turn = losses.grpo_advantages(turn_rewards.t().reshape(-1), group_size, eps=eps)  # turn-major
+    return per_turn.view(turns, -1).t()

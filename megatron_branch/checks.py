@@ -9,6 +9,7 @@ naming the flag and the path and saying what to do, which
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import warnings
@@ -64,3 +65,14 @@ def check_input_json(flag: str, path: str) -> None:
         raise ValueError(f"{flag} {path}: not valid JSON ({e}); pass a Hugging Face config.json") from None
     if not isinstance(data, dict):
         raise ValueError(f"{flag} {path}: holds a JSON {type(data).__name__}, expected an object (config.json)")
+
+
+def fsync_dir(path: str) -> None:
+    """Flush a directory's entries (a rename into it) to disk; best effort, as not every
+    file system lets a directory be opened or synced."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

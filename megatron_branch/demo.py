@@ -5,9 +5,10 @@ branching rollouts (several prompts, shared response stems, forked tails) and re
 side by side in one run:
 
 * positions (naive vs unique) and the ideal ratio;
-* forward+backward time of naive (all rollouts as one padded batch, torch's fused causal
-  SDPA) and of branch replay (one packed pass, cascade attention on the same fused
-  kernel family), and the speed-up as a fraction of the ideal ratio;
+* forward+backward time of naive (every rollout in full on torch's fused causal SDPA, in
+  micro-batches of 1, 2, 4 and all rollouts with gradient accumulation; the fastest is
+  the reference) and of branch replay (one packed pass, cascade attention on the same
+  fused kernel family), and the speed-up as a fraction of the ideal ratio;
 * exactness against the stock Megatron spec, each rollout alone: max |Δ log-prob| and
   the max relative gradient difference over all parameters, for a GRPO loss.
 """
@@ -18,7 +19,7 @@ import json
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import torch
 
@@ -27,7 +28,7 @@ from megatron_branch.cpu import enable_cpu
 from megatron_branch.distributed import init_distributed
 from megatron_branch.logprobs import rollout_logprobs
 from megatron_branch.models import build_gpt, llama_config
-from megatron_branch.naive import batched_rollout_logprobs
+from megatron_branch.bench.methods import causal_logprobs, naive_micro_batches
 from megatron_branch.synthetic import branching_rollouts
 from megatron_branch.tree import BranchTree
 from megatron_branch.verify import check_against_naive
@@ -57,15 +58,18 @@ class DemoConfig:
         )
 
 
-def _grpo_loss(batch, num_rollouts: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def _grpo_loss(batch, num_rollouts: int) -> Callable[..., torch.Tensor]:
+    """``loss_fn(lp, ids=all)``: a GRPO loss normalised by the global rollout count, so the
+    losses of micro-batches add up to the loss of the whole batch."""
     gen = torch.Generator().manual_seed(7)
     rewards = torch.rand(num_rollouts, generator=gen)
     group_size = num_rollouts // len(set(batch.group))
     advantages = losses.grpo_advantages(rewards, group_size)
     mask = losses.response_mask(batch.lengths, batch.prompt_lengths)
 
-    def loss_fn(lp: torch.Tensor) -> torch.Tensor:
-        return losses.grpo_policy_loss(lp, lp.detach(), advantages, mask)[0]
+    def loss_fn(lp: torch.Tensor, ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        ids = torch.arange(num_rollouts) if ids is None else ids
+        return losses.grpo_policy_loss(lp, lp.detach(), advantages[ids], mask[ids], global_seqs=num_rollouts)[0]
 
     return loss_fn
 
@@ -103,21 +107,34 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> dict:
     echo("checking exactness against the stock Megatron spec (each rollout alone) ...")
     report = check_against_naive(model, stock, batch.sequences, loss_fn, tree=tree)
 
-    def naive_step():
-        model.zero_grad(set_to_none=True)
-        loss_fn(batched_rollout_logprobs(model, batch.sequences)).backward()
+    seqs, width = batch.sequences, tree.max_len - 1
+
+    def naive_step(k: int) -> Callable[[], None]:
+        def run():  # every rollout in full, k per micro-batch, gradient accumulation
+            model.zero_grad(set_to_none=True)
+            for lo in range(0, len(seqs), k):
+                loss_fn(causal_logprobs(model, seqs[lo: lo + k], width), torch.arange(lo, min(lo + k, len(seqs)))
+                        ).backward()
+        return run
 
     def branch_step():
         model.zero_grad(set_to_none=True)
         loss_fn(rollout_logprobs(model, tree)).backward()
 
-    naive_step(), branch_step()  # warm-up
-    t_naive, t_branch = [], []
+    sizes = naive_micro_batches(len(seqs))
+    steps = {k: naive_step(k) for k in sizes}
+    for step in (*steps.values(), branch_step):  # warm-up
+        step()
+    t_naive = {k: [] for k in sizes}
+    t_branch = []
     for i in range(cfg.repeats):
         echo(f"timing forward+backward: repeat {i + 1}/{cfg.repeats}")
-        t_naive.append(_time(naive_step))
+        for k, step in steps.items():
+            t_naive[k].append(_time(step))
         t_branch.append(_time(branch_step))
-    tn, tb = statistics.median(t_naive), statistics.median(t_branch)
+    naive_median = {k: statistics.median(v) for k, v in t_naive.items()}
+    best = min(naive_median, key=naive_median.get)
+    tn, tb = naive_median[best], statistics.median(t_branch)
     speedup = tn / tb
     result = {
         "config": asdict(cfg),
@@ -129,7 +146,9 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> dict:
         "branch_seconds": tb,
         "speedup": speedup,
         "fraction_of_ideal": speedup / ideal,
-        "naive_kernel": "torch SDPA (fused causal, padded batch)",
+        "naive_micro_batch": best,
+        "naive_seconds_by_micro_batch": naive_median,
+        "naive_kernel": "torch SDPA (fused is_causal, right-padded micro-batches)",
         "branch_kernel": f"{cfg.backend} tree attention",
         "max_abs_logprob_diff": report.max_abs_logprob_diff,
         "loss_rel_diff": report.loss_rel_diff,
@@ -140,6 +159,8 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> dict:
     echo(f"{'':28s}{'naive':>14s}{'branch replay':>16s}")
     echo(f"{'token positions':28s}{tree.naive_positions:>14d}{tree.unique_positions:>16d}")
     echo(f"{'fwd+bwd seconds (median)':28s}{tn:>14.3f}{tb:>16.3f}")
+    echo("naive micro-batches (rollouts: seconds): "
+         + ", ".join(f"{k}: {v:.3f}" for k, v in naive_median.items()) + f"; fastest {best} is the reference")
     echo(f"speed-up {speedup:.2f}x vs ideal position ratio {ideal:.2f}x "
          f"({100 * speedup / ideal:.0f}% of ideal)")
     echo(f"exactness vs stock spec: max |d logprob| {report.max_abs_logprob_diff:.2e}, "

@@ -639,8 +639,8 @@ def collect_routing_statistics(model, tree: BranchTree, *, max_chunk_tokens: Opt
 
     Runs :func:`megatron_branch.replay_logprobs` (memory-bounded like the step) and sums
     the counts over TP x CP (and DP for the global aux loss): a collective, so every rank
-    of those groups calls it. Use the same ``max_chunk_tokens`` as the step (the routing
-    then sees bit-identical inputs).
+    of those groups calls it. Use the same ``max_chunk_tokens`` (and ``group_ids``) as the
+    step (the routing then sees bit-identical inputs).
 
     Returns:
         ``(statistics, logprobs [R, max_len - 1])``: the log-probs are
@@ -674,7 +674,7 @@ def routing_statistics(model, statistics: Optional[RoutingStatistics]) -> Iterat
             router._stats = None
 
 
-def needs_routing_statistics(model, tree: BranchTree, max_chunk_tokens: Optional[int]) -> bool:
+def needs_routing_statistics(model, tree: BranchTree, max_chunk_tokens: Optional[int], group_ids=None) -> bool:
     """Whether a replay step of ``tree`` at this budget needs :func:`collect_routing_statistics`:
     an aux loss is on, the model trains with gradients, and the step forwards the tree in parts."""
     from megatron_branch.replay.plan import plan_replay
@@ -684,7 +684,7 @@ def needs_routing_statistics(model, tree: BranchTree, max_chunk_tokens: Optional
         return False
     if not any(r.get_aux_loss_coeff(kind) > 0 for r in found for kind in AUX_LOSSES):
         return False
-    return sum(op.kind in ("stem", "chunk") for op in plan_replay(tree, max_chunk_tokens)) > 1
+    return sum(op.kind in ("stem", "chunk") for op in plan_replay(tree, max_chunk_tokens, group_ids)) > 1
 
 
 def check_expert_parallel_plan(tree: BranchTree, max_chunk_tokens: Optional[int], group_ids=None,
@@ -730,9 +730,10 @@ def replay_step(model, tree: BranchTree, loss_fn, *, statistics: Optional[Routin
     from megatron_branch.replay import replay_step as _replay_step
 
     check_expert_parallel_plan(tree, max_chunk_tokens, group_ids, **kwargs)
-    if statistics is None and needs_routing_statistics(model, tree, max_chunk_tokens):
+    if statistics is None and needs_routing_statistics(model, tree, max_chunk_tokens, group_ids):
         cp_comm = {k: kwargs[k] for k in ("cp_comm_type",) if k in kwargs}
-        statistics, _ = collect_routing_statistics(model, tree, max_chunk_tokens=max_chunk_tokens, **cp_comm)
+        statistics, _ = collect_routing_statistics(model, tree, max_chunk_tokens=max_chunk_tokens,
+                                                   group_ids=group_ids, **cp_comm)
     with routing_statistics(model, statistics):
         return _replay_step(model, tree, loss_fn, max_chunk_tokens=max_chunk_tokens, group_ids=group_ids, **kwargs)
 

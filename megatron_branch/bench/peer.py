@@ -33,6 +33,8 @@ from typing import Dict, List
 import torch
 import torch.nn.functional as F
 
+from megatron_branch.bench.run import spread
+
 ATTN_NAME = "mb_sdpa_varlen"
 
 
@@ -251,7 +253,7 @@ def run_peer(cfg, echo=print) -> dict:
         rows = []
         for name in steps:
             ratios = [a / b for a, b in zip(times[best], times[name])]
-            rows.append({"method": name, "seconds": _spread(times[name]), "speedup": _spread(ratios),
+            rows.append({"method": name, "seconds": spread(times[name]), "speedup": spread(ratios),
                          "max_rel_grad_diff": grad_diff[name],
                          "max_abs_logprob_diff": lp_diff.get(name, 0.0 if name.startswith("hf_naive") else None)})
         out["shapes"].append({"shape": shape.name, "rollouts": num, "naive_positions": positions_naive,
@@ -259,10 +261,6 @@ def run_peer(cfg, echo=print) -> dict:
                               "hf_naive_reference": best, "methods": rows})
         echo(f"peer {shape.name}: done")
     return out
-
-
-def _spread(v: List[float]) -> Dict[str, float]:
-    return {"median": statistics.median(v), "min": min(v), "max": max(v)}
 
 
 def format_peer(peer: dict) -> str:

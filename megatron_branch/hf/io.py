@@ -32,7 +32,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from torch import Tensor
 
-from megatron_branch.checks import check_input_json, check_output_dir
+from megatron_branch.checks import check_input_json, check_output_dir, fsync_dir
 
 INDEX = "model.safetensors.index.json"
 _OWNED = re.compile(r"^\.(?P<base>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-(?P<start>\d+)-(?P<host>[0-9a-f]{8})-[a-z0-9_]+$")
@@ -243,15 +243,6 @@ def check_target(target: str, overwrite: bool, flag: str, report: Optional[Calla
     return done
 
 
-def _fsync_dir(path: str) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 @contextlib.contextmanager
 def atomic_dir(target: str, overwrite: bool = False) -> Iterator[str]:
     """Yield a temporary directory that becomes ``target`` only if the block succeeds.
@@ -269,16 +260,16 @@ def atomic_dir(target: str, overwrite: bool = False) -> Iterator[str]:
     tmp = tempfile.mkdtemp(prefix=_owner_prefix(target, "tmp"), dir=parent)
     try:
         yield tmp
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if os.path.exists(target):
             old = tempfile.mkdtemp(prefix=_owner_prefix(target, "old"), dir=parent)
             os.rename(target, old)  # replaces the empty placeholder
             os.rename(tmp, target)
-            _fsync_dir(parent)
+            fsync_dir(parent)
             shutil.rmtree(old)
         else:
             os.rename(tmp, target)
-            _fsync_dir(parent)
+            fsync_dir(parent)
     finally:
         if os.path.exists(tmp):
             shutil.rmtree(tmp)

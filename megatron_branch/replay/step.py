@@ -274,12 +274,13 @@ def replay_step(
 
 def replay_logprobs(
     model, tree: BranchTree, *, max_chunk_tokens: Optional[int] = None, score_mask: Optional[Tensor] = None,
-    cp_comm_type: str = "allgather",
+    cp_comm_type: str = "allgather", group_ids: Optional[Sequence[int]] = None,
 ) -> Tensor:
     """Forward-only ``[R, max_len - 1]`` log-probs with the same chunking (old/ref policy).
 
     Runs under ``torch.no_grad()``; memory is bounded like :func:`replay_step`'s.
-    ``score_mask`` as for :func:`replay_step` (0 where it is 0).
+    ``score_mask`` and ``group_ids`` as for :func:`replay_step` (the same plan as a step
+    with those ``group_ids``; the log-probs do not depend on it).
     """
     model = single_chunk(model, "replay_logprobs")
     out = torch.zeros(tree.num_rollouts, max(tree.max_len - 1, 0), dtype=torch.float32)
@@ -290,7 +291,7 @@ def replay_logprobs(
 
     with torch.no_grad():
         replay_step(model, tree, collect, max_chunk_tokens=max_chunk_tokens, score_mask=score_mask,
-                    cp_comm_type=cp_comm_type)
+                    cp_comm_type=cp_comm_type, group_ids=group_ids)
     return out.to(model_device(model))
 
 

@@ -67,6 +67,7 @@ from megatron_branch._megatron import (
     parallel_state,
     tensor_parallel,
 )
+from megatron_branch.checks import fsync_dir
 from megatron_branch.cpu import cuda_factories_on_cpu
 from megatron_branch.scoring import unwrap
 from megatron_branch.training.ddp import as_chunks
@@ -445,19 +446,6 @@ def _check_optimizer(optimizer) -> None:
 
 
 # ------------------------------------------------------------------------- filesystem
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _write_file_atomically(path: str, text: str, token: str) -> None:
     tmp = f"{path}.tmp-{token}"
     with open(tmp, "w") as f:
@@ -465,7 +453,7 @@ def _write_file_atomically(path: str, text: str, token: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
+    fsync_dir(os.path.dirname(path) or ".")
 
 
 def _broadcast(obj):
@@ -567,7 +555,7 @@ def save_checkpoint(
             json.dump(train_state, f, indent=2)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
     _barrier()
     if before_commit is not None:
         before_commit(tmp)
@@ -577,7 +565,7 @@ def save_checkpoint(
             old = f"{final}.tmp-{token}-old"
             os.rename(final, old)
         os.rename(tmp, final)
-        _fsync_dir(directory)
+        fsync_dir(directory)
         _write_file_atomically(os.path.join(directory, LATEST), f"{iteration}\n", token)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
