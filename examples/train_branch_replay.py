@@ -30,7 +30,7 @@ included), RNG and step every N steps and after the last one, atomically; ``--lo
 resumes from ``DIR/latest`` on any TP/PP/DP layout. ``--steps`` counts total steps, as
 Megatron's ``--train-iters``: a checkpoint saved at step 2 with ``--steps 3`` runs one more.
 ``--check-finite`` stops at the first NaN/Inf (activation, log-prob, loss, gradient or
-parameter) with the step, rollout and layer (:mod:`megatron_branch.guards`).
+parameter) with the step, rollout and layer (:mod:`megatron_branch.training.finite_guard`).
 
 Failures print one line (``rank N failed: ...``; ``--debug`` adds the traceback) and exit
 nonzero: 2 for bad flags, missing/corrupt files and unwritable targets (checked before
@@ -61,14 +61,14 @@ warnings.filterwarnings("ignore", message=".*of a Tensor that is not a leaf Tens
 import megatron_branch as mb  # noqa: E402
 from megatron_branch import losses  # noqa: E402
 from megatron_branch._megatron import OptimizerConfig, parallel_state  # noqa: E402
-from megatron_branch.context_parallel import balance_report, shard_bounds  # noqa: E402
+from megatron_branch.attention.context_parallel import balance_report, shard_bounds  # noqa: E402
 from megatron_branch.distributed import destroy_distributed, heartbeat, init_distributed, run_main  # noqa: E402
-from megatron_branch.guards import FiniteGuard  # noqa: E402
-from megatron_branch.models import build_gpt, llama_config  # noqa: E402
-from megatron_branch.naive import make_naive_forward_step  # noqa: E402
-from megatron_branch.parallel import full_state, load_full_state  # noqa: E402
-from megatron_branch.pipeline import forward_backward  # noqa: E402
-from megatron_branch.synthetic import branching_rollouts  # noqa: E402
+from megatron_branch.training.finite_guard import FiniteGuard  # noqa: E402
+from megatron_branch.spec.builders import build_gpt, llama_config  # noqa: E402
+from megatron_branch.reference.naive import make_naive_forward_step  # noqa: E402
+from megatron_branch.full_state import full_state, load_full_state  # noqa: E402
+from megatron_branch.training.schedule import forward_backward  # noqa: E402
+from megatron_branch.commands.synthetic import branching_rollouts  # noqa: E402
 from megatron_branch.training import (  # noqa: E402
     check_load_dir,
     check_save_dir,
@@ -80,7 +80,7 @@ from megatron_branch.training import (  # noqa: E402
     save_checkpoint,
     wrap_ddp,
 )
-from megatron_branch.unit import linear_weight  # noqa: E402
+from megatron_branch.scoring.unit import linear_weight  # noqa: E402
 
 
 class _Parser(argparse.ArgumentParser):

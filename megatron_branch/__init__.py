@@ -18,10 +18,10 @@ from typing import Any
 # Public name -> module. Imported on first use, so that ``import megatron_branch`` (and the
 # CLI's ``--help``) do not import megatron-core before they need it.
 _EXPORTS = {
-    "BranchCoreAttention": "megatron_branch.attention.core_attention",
-    "BranchPackedSeqParams": "megatron_branch.packed_seq",
+    "BranchCoreAttention": "megatron_branch.spec.core_attention",
+    "BranchPackedSeqParams": "megatron_branch.spec.packed_seq",
     "BranchSegment": "megatron_branch.tree",
-    "BranchSelfAttention": "megatron_branch.self_attention",
+    "BranchSelfAttention": "megatron_branch.spec.self_attention",
     "BranchTree": "megatron_branch.tree",
     "ReplayStats": "megatron_branch.replay",
     "enable_cpu": "megatron_branch.cpu",
@@ -30,11 +30,11 @@ _EXPORTS = {
     "prefix_grad_bias": "megatron_branch.replay",
     "replay_logprobs": "megatron_branch.replay",
     "replay_step": "megatron_branch.replay",
-    "rollout_logprobs": "megatron_branch.logprobs",
+    "rollout_logprobs": "megatron_branch.scoring.logprobs",
 }
 _SUBMODULES = {
-    "agentic", "context_parallel", "hf", "logprobs", "losses", "models", "moe", "parallel", "pipeline", "replay",
-    "training",
+    "agentic", "attention", "commands", "full_state", "hf", "integrations", "losses", "reference", "replay",
+    "scoring", "spec", "training", "tree",
 }
 
 

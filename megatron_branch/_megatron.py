@@ -25,7 +25,7 @@ vocab_parallel_cross_entropy = tensor_parallel.vocab_parallel_cross_entropy
 gather_from_sequence_parallel_region = tensor_parallel.gather_from_sequence_parallel_region
 reduce_from_tensor_model_parallel_region = tensor_parallel.reduce_from_tensor_model_parallel_region
 
-# --- Mixture of Experts (megatron_branch.moe) -------------------------------------------
+# --- Mixture of Experts (megatron_branch.spec.moe) -------------------------------------------
 import inspect as _inspect  # noqa: E402
 
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules  # noqa: E402
@@ -67,7 +67,7 @@ def _source_has(fn, text: str) -> bool:
 # Per-token loss (``calculate_per_token_loss``) scaling of the router losses changed after
 # 0.16: newer releases multiply by ``num_local_tokens * tp_cp_size`` (0.16: by
 # ``num_local_tokens``), and the sequence aux loss counts the micro-batch's tokens (0.16:
-# one sequence's). megatron_branch.moe reproduces whichever the installed release does.
+# one sequence's). megatron_branch.spec.moe reproduces whichever the installed release does.
 MOE_PER_TOKEN_SCALE_TIMES_TP_CP = _source_has(TopKRouter.apply_z_loss, "num_local_tokens * self.tp_cp_group.size()")
 MOE_SEQ_AUX_COUNTS_MICRO_BATCH = _source_has(TopKRouter._apply_seq_aux_loss, "local_num_tokens * bsz")
 # Newer releases log the z-loss averaged over TP x DP x CP (0.16: per rank).

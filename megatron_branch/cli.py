@@ -5,7 +5,7 @@ output targets are reported before any heavy work as one line naming the flag or
 and what to do, with exit code 2 (``plan`` exits 1 when the workload does not fit).
 Other failures print one line and exit 1. ``--debug`` (before or after the command, or
 ``$MEGATRON_BRANCH_DEBUG=1``) adds the traceback. The file checks live in
-:mod:`megatron_branch.checks`, shared with ``tools/convert_checkpoint.py``.
+:mod:`megatron_branch.commands.preflight`, shared with ``tools/convert_checkpoint.py``.
 """
 
 from __future__ import annotations
@@ -14,20 +14,20 @@ import argparse
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from megatron_branch.checks import OneLineParser as _Parser
-from megatron_branch.checks import check_input_json, check_output_dir, check_output_file
-from megatron_branch.checks import quiet_megatron_warnings
+from megatron_branch.commands.preflight import OneLineParser as _Parser
+from megatron_branch.commands.preflight import check_input_json, check_output_dir, check_output_file
+from megatron_branch.commands.preflight import quiet_megatron_warnings
 
 # megatron-core warns about Apex/TE fallbacks when imported on CPU; they are expected here.
 quiet_megatron_warnings()
 
-from megatron_branch import demo  # noqa: E402
-from megatron_branch.bench import cp as bench_cp  # noqa: E402
-from megatron_branch.bench import run as bench_run  # noqa: E402
-from megatron_branch.bench import scale as bench_scale  # noqa: E402
+from megatron_branch.commands import demo  # noqa: E402
+from megatron_branch.commands.bench import cp as bench_cp  # noqa: E402
+from megatron_branch.commands.bench import run as bench_run  # noqa: E402
+from megatron_branch.commands.bench import scale as bench_scale  # noqa: E402
 from megatron_branch.distributed import run_main  # noqa: E402
-from megatron_branch.planner import plan as planner  # noqa: E402
-from megatron_branch import study  # noqa: E402
+from megatron_branch.commands.planner import plan as planner  # noqa: E402
+from megatron_branch.commands import study  # noqa: E402
 
 PROG = "megatron-branch"
 

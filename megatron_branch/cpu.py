@@ -259,7 +259,7 @@ def cuda_factories_on_cpu():
     Scoped, for the megatron-core calls that assume a GPU:
 
     * the pipeline schedules allocate a token counter with a literal ``device="cuda"``
-      (``megatron_branch.pipeline`` wraps them);
+      (``megatron_branch.training.schedule`` wraps them);
     * Megatron's optimizers (``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``,
       ``DistributedOptimizer``, the grad scalers, ``clip_grad_by_total_norm_fp32``)
       allocate their flags and norms with ``device='cuda'`` and check

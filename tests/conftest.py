@@ -1,7 +1,7 @@
 """Shared fixtures: CPU shims, a 1-process Megatron world, and model pairs.
 
 The *naive truth* is a GPTModel built with Megatron's stock local spec and the same
-weights, each rollout run alone with a causal mask (``megatron_branch.naive``).
+weights, each rollout run alone with a causal mask (``megatron_branch.reference.naive``).
 """
 
 import warnings
@@ -15,7 +15,7 @@ warnings.filterwarnings("ignore", module="megatron.core.transformer.transformer_
 
 import megatron_branch as mb  # noqa: E402
 from megatron_branch.distributed import init_distributed  # noqa: E402
-from megatron_branch.models import build_gpt, llama_config  # noqa: E402
+from megatron_branch.spec.builders import build_gpt, llama_config  # noqa: E402
 
 VOCAB = 128
 

@@ -18,7 +18,7 @@ VOCAB = 128
 
 def trees():
     from megatron_branch import BranchTree
-    from megatron_branch.synthetic import branching_rollouts
+    from megatron_branch.commands.synthetic import branching_rollouts
 
     multi = branching_rollouts([24], [2, 2, 3], [6, 5, 7], VOCAB, seed=2, jitter=3)
     forest = branching_rollouts([30, 17, 45], [3], [9], VOCAB, seed=3, jitter=5)
@@ -43,7 +43,7 @@ def make_loss(batch):
 
 def build(tp=1, pp=1, sp=False, **overrides):
     from megatron_branch._megatron import parallel_state
-    from megatron_branch.models import build_gpt, llama_config
+    from megatron_branch.spec.builders import build_gpt, llama_config
 
     config = llama_config(**MODEL, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                           context_parallel_size=parallel_state.get_context_parallel_world_size(),
@@ -60,13 +60,13 @@ def run_case(model, batch, tree, chunk, comm, pp):
     from megatron_branch import replay_step, rollout_logprobs
     from megatron_branch._megatron import finalize_model_grads
     from megatron_branch.cpu import cuda_factories_on_cpu
-    from megatron_branch.parallel import full_state
+    from megatron_branch.full_state import full_state
 
     loss_fn = make_loss(batch)
     model.zero_grad_buffer()
     lp = None
     if pp > 1:
-        from megatron_branch.pipeline import forward_backward
+        from megatron_branch.training.schedule import forward_backward
 
         forward_backward(model, [tree], lambda lp, ids: (loss_fn(lp, ids), torch.ones(())), cp_comm_type=comm)
     else:
@@ -86,7 +86,7 @@ def worker(rank, world, port, layout, cases, weights, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import megatron_branch as mb
     from megatron_branch._megatron import parallel_state
-    from megatron_branch.parallel import load_full_state
+    from megatron_branch.full_state import load_full_state
 
     mb.enable_cpu()
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -148,7 +148,7 @@ def build_moe(tp=1, ep=1, sp=False):
     """The MoE model (alltoall dispatcher). Megatron DDP then averages over DP; the per-token
     loss mode is left off here: megatron-core 0.16 scales router losses by the rank's token
     count under it, which changes with the TP/CP split (tested in one process instead)."""
-    from megatron_branch.models import build_gpt, llama_config
+    from megatron_branch.spec.builders import build_gpt, llama_config
 
     config = llama_config(**MODEL, **MOE, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                           expert_tensor_parallel_size=1, sequence_parallel=sp)
@@ -157,11 +157,12 @@ def build_moe(tp=1, ep=1, sp=False):
 
 
 def run_moe_case(model, name, chunk):
-    """One MoE replay step on a Megatron-DDP-wrapped model (``megatron_branch.moe.replay_step``) reduced by Megatron's
+    """One MoE replay step on a Megatron-DDP-wrapped model (``megatron_branch.spec.moe.replay_step``) reduced by Megatron's
     ``finalize_model_grads``; returns unsharded gradients (experts numbered globally), the
     log-probs, Megatron's logged router losses and the per-expert token counts, the last
     two summed over TP x CP (the z-loss averaged), as Megatron's report reduces them."""
-    from megatron_branch import moe, rollout_logprobs
+    from megatron_branch import rollout_logprobs
+    from megatron_branch.spec import moe
     from megatron_branch._megatron import (clear_moe_logged_metrics, finalize_model_grads, moe_logged_metrics,
                                            parallel_state)
     from megatron_branch.cpu import cuda_factories_on_cpu
@@ -192,7 +193,7 @@ def moe_worker(rank, world, port, layout, cases, weights, out_dir):
     warnings.filterwarnings("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import megatron_branch as mb
-    from megatron_branch import moe
+    from megatron_branch.spec import moe
     from megatron_branch._megatron import MoEAuxLossAutoScaler, parallel_state
     from megatron_branch.training import wrap_ddp
 

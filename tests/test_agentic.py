@@ -10,8 +10,8 @@ import torch
 import megatron_branch as mb
 from megatron_branch import losses
 from megatron_branch.agentic import Turn, assemble, group_turn_advantages
-from megatron_branch.naive import naive_rollout_logprobs
-from megatron_branch.verify import compare_grads, grads
+from megatron_branch.reference.naive import naive_rollout_logprobs
+from megatron_branch.reference.agreement import compare_grads, grads
 
 from conftest import VOCAB, make_pair
 

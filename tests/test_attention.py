@@ -168,7 +168,7 @@ def test_math_kernel_tiles_by_default_and_stays_exact(monkeypatch):
     """The GPU fallback kernel materialises float32 scores; without a chunk size its pieces
     are tiled to MATH_TILE x MATH_TILE, so no score block grows with the stem."""
     import megatron_branch as mb
-    from megatron_branch.attention import core_attention
+    from megatron_branch.spec import core_attention
 
     from conftest import make_pair
 
@@ -190,9 +190,9 @@ def test_math_kernel_tiles_by_default_and_stays_exact(monkeypatch):
 
 def test_fp8_pads_units_and_cp_shards_to_16_invisibly():
     import megatron_branch as mb
-    from megatron_branch.models import llama_config
-    from megatron_branch.packed_seq import BranchPackedSeqParams
-    from megatron_branch.unit import unit_multiple
+    from megatron_branch.spec.builders import llama_config
+    from megatron_branch.spec.packed_seq import BranchPackedSeqParams
+    from megatron_branch.scoring.unit import unit_multiple
 
     from conftest import make_pair
 
@@ -215,7 +215,7 @@ def test_fp8_pads_units_and_cp_shards_to_16_invisibly():
 def test_batches_cover_every_visible_pair_once_and_few_calls_suffice():
     """Pieces of equal (bucketed) shape share one kernel call; padded rows see nothing real."""
     from megatron_branch.attention.pieces import bucket, plan_batches
-    from megatron_branch.synthetic import branching_rollouts
+    from megatron_branch.commands.synthetic import branching_rollouts
 
     assert [bucket(n) for n in (1, 16, 17, 31, 100, 1000)] == [1, 16, 18, 32, 104, 1024]
     forest = branching_rollouts([40, 33, 51], [3, 3, 3], [5, 4, 6], 100, seed=0, jitter=2)

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from megatron_branch.flops import ModelShape, causal_pairs, step_flops
-from megatron_branch.bench.run import BenchConfig, Shape, format_table, plot, run_bench
+from megatron_branch.commands.bench.run import BenchConfig, Shape, format_table, plot, run_bench
 
 TREE_METHODS = {"packed", "prompt_once", "dense_tree", "ours", "ours_stream"}
 
@@ -83,7 +83,7 @@ def test_quick_config_shapes():
 def test_peer_prefix_grouper_is_exact():
     pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[peer])")
     pytest.importorskip("prefix_grouper", reason="prefix_grouper is not installed (pip install -e .[peer])")
-    from megatron_branch.bench.peer import format_peer, run_peer
+    from megatron_branch.commands.bench.peer import format_peer, run_peer
     from megatron_branch.cpu import enable_cpu
     from megatron_branch.distributed import init_distributed
 
@@ -111,7 +111,7 @@ def test_sdpa_varlen_matches_per_sequence_causal():
     import torch
     import torch.nn.functional as F
 
-    from megatron_branch.bench.peer import sdpa_varlen_attention
+    from megatron_branch.commands.bench.peer import sdpa_varlen_attention
 
     torch.manual_seed(0)
     b, h, d, sk, sq = 2, 2, 8, 10, 4
@@ -151,7 +151,7 @@ def test_bench_cli_help():
 
 
 def test_bench_cp_tiny():
-    from megatron_branch.bench.cp import format_table, run_bench_cp
+    from megatron_branch.commands.bench.cp import format_table, run_bench_cp
 
     report = run_bench_cp(True, sizes=(1, 2), echo=lambda *_: None,
                           shape=dict(prompt=64, tails=4, tail_len=8, repeats=1))

@@ -24,8 +24,8 @@ from safetensors.torch import load_file
 
 from megatron_branch import losses
 from megatron_branch._megatron import OptimizerConfig
-from megatron_branch.models import build_gpt, llama_config
-from megatron_branch.synthetic import branching_rollouts
+from megatron_branch.spec.builders import build_gpt, llama_config
+from megatron_branch.commands.synthetic import branching_rollouts
 from megatron_branch.training import (
     check_load_dir,
     check_save_dir,

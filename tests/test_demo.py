@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from megatron_branch.demo import DemoConfig, run_demo
+from megatron_branch.commands.demo import DemoConfig, run_demo
 
 
 def test_demo_quick_is_exact():

@@ -9,9 +9,10 @@ import torch
 
 import megatron_branch as mb
 from megatron_branch import losses
-from megatron_branch.naive import batched_rollout_logprobs, naive_rollout_logprobs
-from megatron_branch.synthetic import branching_rollouts
-from megatron_branch.verify import check_against_naive
+from megatron_branch.reference.naive import batched_rollout_logprobs, naive_rollout_logprobs
+from megatron_branch.commands.synthetic import branching_rollouts
+from megatron_branch.reference.agreement import check_against_naive
+from megatron_branch.scoring.logprobs import per_rollout, unique_token_logprobs
 
 from conftest import VOCAB, make_pair, rand_seq
 
@@ -40,7 +41,7 @@ def identical_and_prefix():
 
 
 def losses_batch(seqs, prompt_lengths):
-    from megatron_branch.synthetic import RolloutBatch
+    from megatron_branch.commands.synthetic import RolloutBatch
 
     return RolloutBatch(list(seqs), list(prompt_lengths), [0] * len(seqs))
 
@@ -96,7 +97,7 @@ def test_cascade_chunking_and_kernels_match_naive(chunk_size, kernel):
 
 def test_qk_layernorm_mha_and_tied_embeddings():
     batch = forest_3_prompts()
-    from megatron_branch.models import build_gpt, llama_config
+    from megatron_branch.spec.builders import build_gpt, llama_config
 
     config = llama_config(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4,
                           qk_layernorm=True)
@@ -118,7 +119,7 @@ def test_positions_matter():
     params.max_seqlen_q = params.max_seqlen_kv = tree.unique_positions
     with torch.no_grad():
         logits = branch(tree.tokens[None], tree.positions[None], attention_mask=None, packed_seq_params=params)
-        lp_wrong = mb.logprobs.per_rollout(mb.logprobs.unique_token_logprobs(logits[0], tree)[0], tree)
+        lp_wrong = per_rollout(unique_token_logprobs(logits[0], tree)[0], tree)
         ref = naive_rollout_logprobs(stock, batch.sequences)
     assert (lp_wrong - ref).abs().max() > 1e-3
 
@@ -140,7 +141,7 @@ def test_entropy_and_its_gradient_match_naive_softmax_entropy():
         ref_lp = torch.log_softmax(logits, -1).gather(-1, seq[1:, None])[:, 0]
         total = total + ref.sum() + ref_lp.sum()
     total.backward()
-    from megatron_branch.verify import compare_grads, grads
+    from megatron_branch.reference.agreement import compare_grads, grads
 
     assert max(compare_grads(grads(branch), grads(stock)).values()) < GRAD_TOL
 

@@ -7,7 +7,7 @@
 * the CLI and the example refuse bad flags, missing/corrupt files and unwritable targets
   before any heavy work, with one line naming the flag and exit code 2 (traceback only
   with ``--debug``);
-* NaN/Inf is reported where it first appears (:mod:`megatron_branch.guards`), and the
+* NaN/Inf is reported where it first appears (:mod:`megatron_branch.training.finite_guard`), and the
   losses refuse NaN advantages, masks, rewards and old log-probs.
 """
 
@@ -25,9 +25,9 @@ import torch
 import megatron_branch as mb
 from megatron_branch import cli, losses
 from megatron_branch.distributed import default_timeout, free_port, run_main
-from megatron_branch.guards import FiniteGuard, NonFiniteError
-from megatron_branch.models import build_gpt, llama_config
-from megatron_branch.synthetic import branching_rollouts
+from megatron_branch.training.finite_guard import FiniteGuard, NonFiniteError
+from megatron_branch.spec.builders import build_gpt, llama_config
+from megatron_branch.commands.synthetic import branching_rollouts
 from torchrun import ROOT, TRAIN
 
 VOCAB = 128

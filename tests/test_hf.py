@@ -13,7 +13,7 @@ import megatron_branch as mb
 from megatron_branch.distributed import free_port
 from megatron_branch.hf.convert import export_hf, import_hf, load_megatron
 from megatron_branch.hf.mapping import megatron_args_from_hf
-from megatron_branch.synthetic import branching_rollouts
+from megatron_branch.commands.synthetic import branching_rollouts
 
 import dist_worker
 

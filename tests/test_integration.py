@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from megatron_branch.attention.core_attention import BranchCoreAttention
+from megatron_branch.spec.core_attention import BranchCoreAttention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "apply_patches.py")
@@ -15,7 +15,7 @@ def test_megatron_lm_spec_attribute():
 
     import pytest
 
-    from megatron_branch import megatron_lm
+    from megatron_branch.integrations import megatron_lm
 
     spec = megatron_lm.branch_layer_spec
     if importlib.util.find_spec("megatron.training") is None:

@@ -6,7 +6,7 @@ Every test needs ``MEGATRON_LM_DIR``: a Megatron-LM git checkout at the tag name
 the ``megatron-lm`` extra installed; otherwise they are skipped with the reason.
 
 * pretraining: ``examples/megatron_lm/pretrain_branch.py`` runs Megatron-LM's ``pretrain``
-  for 2 iterations on 2 gloo processes with ``--spec megatron_branch.megatron_lm
+  for 2 iterations on 2 gloo processes with ``--spec megatron_branch.integrations.megatron_lm
   branch_layer_spec``;
 * RL: with ``--rl-branch-replay`` Megatron-RL's old/reference log-probs
   (``prepare_data_for_update``) and its policy-update forward (``train_rl.forward_step``:
@@ -25,7 +25,7 @@ import torch
 
 from conftest import make_pair
 from megatron_branch.distributed import free_port
-from megatron_branch.synthetic import branching_rollouts
+from megatron_branch.commands.synthetic import branching_rollouts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATCHES = os.path.join(ROOT, "patches", "megatron-lm-core_v0.16.1")
@@ -68,7 +68,7 @@ pytestmark = [pytest.mark.megatron_lm, pytest.mark.skipif(SKIP is not None, reas
 
 # ----------------------------------------------------------------------------- pretraining
 TINY = [
-    "--spec", "megatron_branch.megatron_lm", "branch_layer_spec",
+    "--spec", "megatron_branch.integrations.megatron_lm", "branch_layer_spec",
     "--distributed-backend", "gloo", "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
     "--no-persist-layer-norm", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion",
     "--no-bias-dropout-fusion", "--no-rope-fusion", "--use-cpu-initialization",
@@ -320,13 +320,13 @@ def test_rl_branch_replay_refusals(megatron_rl, overrides, flag):
 def test_args_branch_spec_resolves_from_megatron_lm_arguments(megatron_rl):
     from megatron.training import get_args
 
-    from megatron_branch.attention.core_attention import BranchCoreAttention
-    from megatron_branch.megatron_lm import ArgsBranchSpec
+    from megatron_branch.spec.core_attention import BranchCoreAttention
+    from megatron_branch.integrations.megatron_lm import ArgsBranchSpec
 
     megatron_rl(False)
     args = get_args()
     args.qk_layernorm = True
-    spec = ArgsBranchSpec()  # what --spec megatron_branch.megatron_lm branch_layer_spec hands GPTModel
+    spec = ArgsBranchSpec()  # what --spec megatron_branch.integrations.megatron_lm branch_layer_spec hands GPTModel
     attn = spec.submodules.self_attention.submodules
     assert attn.core_attention.module is BranchCoreAttention and attn.q_layernorm is not None
     args.num_experts, args.virtual_pipeline_model_parallel_size = 4, 2

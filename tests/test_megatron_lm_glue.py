@@ -12,17 +12,17 @@ import pytest
 import torch
 
 from conftest import make_pair
-from megatron_branch.attention.core_attention import BranchCoreAttention
-from megatron_branch.megatron_lm import branch_spec_from_args
-from megatron_branch.megatron_rl import (
+from megatron_branch.spec.core_attention import BranchCoreAttention
+from megatron_branch.integrations.megatron_lm import branch_spec_from_args
+from megatron_branch.integrations.megatron_rl import (
     replay_trajectory_logprobs,
     trajectory_lengths,
     trajectory_logprobs,
     trajectory_tree,
 )
-from megatron_branch.models import llama_config
-from megatron_branch.naive import naive_rollout_logprobs
-from megatron_branch.self_attention import BranchSelfAttention
+from megatron_branch.spec.builders import llama_config
+from megatron_branch.reference.naive import naive_rollout_logprobs
+from megatron_branch.spec.self_attention import BranchSelfAttention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "apply_patches.py")

@@ -2,7 +2,7 @@
 
 fp32; log-probs within 1e-5 and every parameter gradient (router included) within 1e-5
 relative, with the load-balancing and z losses on; Megatron's logged router losses and
-the per-expert token counts equal too. The naive batch is :func:`megatron_branch.moe.naive_moe_logprobs`
+the per-expert token counts equal too. The naive batch is :func:`megatron_branch.spec.moe.naive_moe_logprobs`
 (right-padded, Megatron's MoE padding mask, so padding is not counted).
 """
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import megatron_branch as mb
-from megatron_branch import moe
+from megatron_branch.spec import moe
 from megatron_branch._megatron import (
     GPTModel,
     ModuleSpec,
@@ -20,10 +20,10 @@ from megatron_branch._megatron import (
     moe_logged_metrics,
 )
 from megatron_branch.distributed import free_port
-from megatron_branch.models import build_gpt, llama_config
+from megatron_branch.spec.builders import build_gpt, llama_config
 from megatron_branch.spec import apply_branch_attention
-from megatron_branch.synthetic import branching_rollouts
-from megatron_branch.verify import compare_grads, grads
+from megatron_branch.commands.synthetic import branching_rollouts
+from megatron_branch.reference.agreement import compare_grads, grads
 
 import dist_worker
 
@@ -182,7 +182,7 @@ def test_statistics_collected_with_the_old_logprobs_are_reused():
 def test_streaming_without_statistics_is_refused():
     branch, _ = make_pair()
     tree = mb.BranchTree.from_sequences(equal_lengths())
-    with pytest.raises(ValueError, match="streaming replay.*megatron_branch.moe.replay_step"):
+    with pytest.raises(ValueError, match="streaming replay.*megatron_branch.spec.moe.replay_step"):
         mb.replay_step(branch, tree, loss_fn_for(equal_lengths()), max_chunk_tokens=10)
     other = mb.BranchTree.from_sequences(ragged())
     stats, _ = moe.collect_routing_statistics(branch, other, max_chunk_tokens=10)

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import megatron_branch as mb
-from megatron_branch.context_parallel import shard_bounds, shard_work
+from megatron_branch.attention.context_parallel import shard_bounds, shard_work
 from megatron_branch.distributed import free_port
-from megatron_branch.parallel import full_state
-from megatron_branch.verify import compare_grads
+from megatron_branch.full_state import full_state
+from megatron_branch.reference.agreement import compare_grads
 
 import dist_worker
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megatron_branch._megatron import AttnMaskType, PackedSeqParams
-from megatron_branch.attention.core_attention import BranchCoreAttention
-from megatron_branch.models import llama_config
+from megatron_branch.spec.core_attention import BranchCoreAttention
+from megatron_branch.spec.builders import llama_config
 
 from conftest import make_pair, rand_seq
 

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from megatron_branch.planner.estimate import GB, Layout, Workload, memory_per_gpu, step_flops
-from megatron_branch.planner.plan import plan
-from megatron_branch.planner.presets import GPUS, MODELS, ModelSpec, model_from_hf_config
+from megatron_branch.commands.planner.estimate import GB, Layout, Workload, memory_per_gpu, step_flops
+from megatron_branch.commands.planner.plan import plan
+from megatron_branch.commands.planner.presets import GPUS, MODELS, ModelSpec, model_from_hf_config
 
 TINY = ModelSpec("tiny", num_layers=2, hidden_size=8, num_attention_heads=2, num_kv_heads=1,
                  ffn_hidden_size=16, vocab_size=10)
@@ -98,7 +98,7 @@ def test_hf_config_and_cli(tmp_path):
 
 
 def test_memory_model_within_20_percent_of_measured_cpu_peak():
-    from megatron_branch.planner.validate import CASES, validate_on_cpu
+    from megatron_branch.commands.planner.validate import CASES, validate_on_cpu
 
     rows = validate_on_cpu([CASES[0], CASES[2]])
     for row in rows:

@@ -9,9 +9,9 @@ import torch
 
 import megatron_branch as mb
 from megatron_branch._megatron import SelfAttention, get_gpt_layer_local_spec
-from megatron_branch.attention.core_attention import BranchCoreAttention
-from megatron_branch.models import build_gpt, llama_config
-from megatron_branch.self_attention import BranchSelfAttention
+from megatron_branch.spec.core_attention import BranchCoreAttention
+from megatron_branch.spec.builders import build_gpt, llama_config
+from megatron_branch.spec.self_attention import BranchSelfAttention
 from megatron_branch.spec import apply_branch_attention
 
 

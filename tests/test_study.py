@@ -8,14 +8,14 @@ import torch
 
 import megatron_branch as mb
 from megatron_branch import losses
-from megatron_branch.naive import naive_rollout_logprobs
-from megatron_branch.study import report as rep
-from megatron_branch.study import run as study_run
-from megatron_branch.study.algos import get_algo, preference_pairs, tree_advantages
-from megatron_branch.study.run import RunRecord, StudyConfig, StudyError, check_exact, gradient_bias, run_study
-from megatron_branch.study.sampling import TreeSample
-from megatron_branch.study.tasks import get_task, opener_tokens
-from megatron_branch.verify import compare_grads, grads
+from megatron_branch.reference.naive import naive_rollout_logprobs
+from megatron_branch.commands.study import report as rep
+from megatron_branch.commands.study import run as study_run
+from megatron_branch.commands.study.algos import get_algo, preference_pairs, tree_advantages
+from megatron_branch.commands.study.run import RunRecord, StudyConfig, StudyError, check_exact, gradient_bias, run_study
+from megatron_branch.commands.study.sampling import TreeSample
+from megatron_branch.commands.study.tasks import get_task, opener_tokens
+from megatron_branch.reference.agreement import compare_grads, grads
 
 from conftest import make_pair
 
@@ -241,7 +241,7 @@ def test_tasks_and_tree_advantages():
 def test_naive_micro_batches_keep_pairs_and_equal_one_batch(model_pair):
     """Naive micro-batches (gradient accumulation, whole DPO pairs) give the one-batch
     log-probs and gradient; a bad size is refused."""
-    from megatron_branch.study.algos import Prepared
+    from megatron_branch.commands.study.algos import Prepared
 
     torch.manual_seed(0)
     seqs = [torch.randint(0, 32, (n,)) for n in (9, 7, 11, 6, 8)]

@@ -8,9 +8,9 @@ import megatron_branch as mb
 from megatron_branch import losses
 from megatron_branch._megatron import OptimizerConfig, finalize_model_grads
 from megatron_branch.cpu import cuda_factories_on_cpu
-from megatron_branch.models import build_gpt, llama_config
-from megatron_branch.naive import naive_rollout_logprobs
-from megatron_branch.synthetic import branching_rollouts
+from megatron_branch.spec.builders import build_gpt, llama_config
+from megatron_branch.reference.naive import naive_rollout_logprobs
+from megatron_branch.commands.synthetic import branching_rollouts
 from megatron_branch.training import (
     forward_backward_step,
     get_optimizer,
@@ -19,8 +19,8 @@ from megatron_branch.training import (
     wrap_ddp,
 )
 from megatron_branch.training.batching import TreeMicroBatch
-from megatron_branch.unit import linear_weight
-from megatron_branch.verify import compare_grads
+from megatron_branch.scoring.unit import linear_weight
+from megatron_branch.reference.agreement import compare_grads
 
 VOCAB = 128
 TOL = 1e-5
@@ -262,7 +262,7 @@ def test_plan_bad_inputs():
 def test_pipeline_forward_step_refuses_megatrons_mean():
     batch, loss_fn, _ = batch_and_loss()
     tree = mb.BranchTree.from_sequences(batch.sequences)
-    from megatron_branch.pipeline import forward_backward
+    from megatron_branch.training.schedule import forward_backward
 
     model = build_gpt(config(calculate_per_token_loss=False), VOCAB, seed=0)
     with pytest.raises(ValueError, match="calculate_per_token_loss"):

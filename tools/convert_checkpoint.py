@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, ROOT)
 
-from megatron_branch.checks import OneLineParser, quiet_megatron_warnings  # noqa: E402
+from megatron_branch.commands.preflight import OneLineParser, quiet_megatron_warnings  # noqa: E402
 
 PROG = "convert_checkpoint"
 COMMANDS = ("import", "export")
@@ -106,7 +106,7 @@ def _main(argv=None) -> int:
     import megatron_branch as mb
     from megatron_branch.distributed import init_distributed
     from megatron_branch.hf.convert import export_hf, import_hf
-    from megatron_branch.progress import Progress
+    from megatron_branch.commands.progress import Progress
 
     mb.enable_cpu()
     init_distributed()

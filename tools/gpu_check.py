@@ -35,7 +35,7 @@ warnings.filterwarnings("ignore")
 
 
 def _tree_batch(prompt, tails, tail_len, vocab, seed=0):
-    from megatron_branch.synthetic import branching_rollouts
+    from megatron_branch.commands.synthetic import branching_rollouts
 
     return branching_rollouts([prompt], [tails], [tail_len], vocab, seed=seed)
 
@@ -75,7 +75,7 @@ def check_kernels():
 def _models(use_te, dtype, fp8=None, recipe=None, layers=2, hidden=512, vocab=1024, **spec):
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_branch.models import build_gpt, llama_config
+    from megatron_branch.spec.builders import build_gpt, llama_config
 
     extra = {"fp8": fp8, "fp8_recipe": recipe} if fp8 else {}
     config = llama_config(num_layers=layers, hidden_size=hidden, num_attention_heads=8, num_query_groups=4,
@@ -105,7 +105,7 @@ def _grads(model):
 def _step(model, batch, tree=None, chunk=None, naive_multiple=None):
     import megatron_branch as mb
     from megatron_branch import losses
-    from megatron_branch.naive import batched_rollout_logprobs, naive_rollout_logprobs
+    from megatron_branch.reference.naive import batched_rollout_logprobs, naive_rollout_logprobs
 
     mask = losses.response_mask(batch.lengths, batch.prompt_lengths).cuda()
     adv = torch.linspace(-1, 1, len(batch.sequences), device="cuda")
@@ -178,7 +178,7 @@ def check_fp8():
 def check_timing():
     import megatron_branch as mb
     from megatron_branch import losses
-    from megatron_branch.naive import batched_rollout_logprobs
+    from megatron_branch.reference.naive import batched_rollout_logprobs
 
     batch = _tree_batch(4096, 8, 512, 32000)
     tree = mb.BranchTree.from_sequences(batch.sequences)

@@ -4,16 +4,16 @@ Runs ``megatron.training.pretrain`` of a Megatron-LM checkout at tag ``core_v0.1
 with Megatron-LM's own model provider (``model_provider.model_provider`` +
 ``gpt_builders.gpt_builder``) and the branch spec given on the command line:
 
-    --spec megatron_branch.megatron_lm branch_layer_spec
+    --spec megatron_branch.integrations.megatron_lm branch_layer_spec
 
 (the spec builds itself from Megatron-LM's parsed arguments: normalization, qk-layernorm,
 MoE layer pattern, ...). ``--dataloader-type external`` hands this script's data provider
 to the training loop as is: every micro-batch is a
 :class:`~megatron_branch.training.batching.TreeMicroBatch` of synthetic branching rollouts
-(:func:`megatron_branch.synthetic.branching_rollouts`; ``--micro-batch-size`` prompts per
+(:func:`megatron_branch.commands.synthetic.branching_rollouts`; ``--micro-batch-size`` prompts per
 tree, ``--global-batch-size`` prompts per step, a prompt's group never split across
 data-parallel ranks), and the forward step is
-:func:`megatron_branch.pipeline.make_forward_step` with a response-token cross-entropy
+:func:`megatron_branch.training.schedule.make_forward_step` with a response-token cross-entropy
 summed over tokens. Megatron divides the gradients by the global token count, which needs
 ``--calculate-per-token-loss`` (set here if missing).
 
@@ -23,7 +23,7 @@ CPU, 2 gloo processes (Megatron-LM's CUDA assumptions are shimmed by
     MEGATRON_LM_DIR=/path/to/Megatron-LM  # git checkout of tag core_v0.16.1
     PYTHONPATH=$MEGATRON_LM_DIR torchrun --nproc_per_node 2 \\
         examples/megatron_lm/pretrain_branch.py \\
-        --spec megatron_branch.megatron_lm branch_layer_spec \\
+        --spec megatron_branch.integrations.megatron_lm branch_layer_spec \\
         --distributed-backend gloo --transformer-impl local --no-gradient-accumulation-fusion \\
         --no-persist-layer-norm --no-masked-softmax-fusion --no-bias-gelu-fusion \\
         --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-rope-fusion \\
@@ -45,7 +45,7 @@ transformer_engine`` builds the branch spec on TE's layers (not yet run on a GPU
 
 Limits: no pipeline parallelism here (Megatron-LM's schedule sizes the stage-to-stage
 tensors from ``--seq-length``/``--micro-batch-size``; use
-:func:`megatron_branch.pipeline.forward_backward` with ``variable_seq_lengths``). Trees
+:func:`megatron_branch.training.schedule.forward_backward` with ``variable_seq_lengths``). Trees
 carry their own lengths; ``--seq-length`` only has to satisfy Megatron's argument checks.
 MoE router statistics (aux/z losses, token dropping) count unique tree tokens, not
 rollout tokens. Logged ``lm loss`` is the response-token cross-entropy averaged over the
@@ -75,8 +75,8 @@ if os.environ.get("MEGATRON_LM_DIR") and os.environ["MEGATRON_LM_DIR"] not in sy
     sys.path.insert(0, os.environ["MEGATRON_LM_DIR"])  # model_provider.py, gpt_builders.py
 
 from megatron_branch.losses import response_mask, sft_loss  # noqa: E402
-from megatron_branch.pipeline import make_forward_step  # noqa: E402
-from megatron_branch.synthetic import branching_rollouts  # noqa: E402
+from megatron_branch.training.schedule import make_forward_step  # noqa: E402
+from megatron_branch.commands.synthetic import branching_rollouts  # noqa: E402
 from megatron_branch.training.batching import TreeMicroBatch  # noqa: E402
 from megatron_branch.tree import BranchTree  # noqa: E402
 
@@ -104,7 +104,7 @@ def check_args(args) -> None:
         raise ValueError("--calculate-per-token-loss: required; micro-batches are whole trees of unequal size")
     if args.pipeline_model_parallel_size > 1:
         raise ValueError("--pipeline-model-parallel-size: Megatron-LM's schedule sizes stage-to-stage tensors "
-                         "from --seq-length; use megatron_branch.pipeline.forward_backward for pipelines")
+                         "from --seq-length; use megatron_branch.training.schedule.forward_backward for pipelines")
     if args.global_batch_size % (args.micro_batch_size * args.data_parallel_size):
         raise ValueError(f"--global-batch-size: {args.global_batch_size} prompts must split into micro-batches of "
                          f"{args.micro_batch_size} prompts on {args.data_parallel_size} data-parallel ranks")

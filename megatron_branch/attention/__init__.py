@@ -1,7 +1,7 @@
 """Tree attention kernels: the cascade (default) and dense backends.
 
 The Megatron module that uses them is
-:class:`megatron_branch.attention.core_attention.BranchCoreAttention`.
+:class:`megatron_branch.spec.core_attention.BranchCoreAttention`.
 """
 
 from megatron_branch.attention.cascade import AttentionPiece, cascade_attention, plan_pieces

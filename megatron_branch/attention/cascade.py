@@ -129,11 +129,11 @@ def cascade_attention(
         scale: softmax scale (usually ``head_dim ** -0.5``).
         kernel: a name in :data:`megatron_branch.attention.kernels.KERNELS`.
         prefix: the cached ``(k [P, kv_heads, d], v)`` of the path that *every* query
-            sees unmasked (streaming replay's ancestors, :mod:`megatron_branch.prefix_cache`);
+            sees unmasked (streaming replay's ancestors, :mod:`megatron_branch.attention.path_cache`);
             one piece however many stems it holds (:mod:`megatron_branch.attention.prefix`).
             Gradients flow to these tensors.
         q_block, k_block: tile sizes for the prefix piece.
-        prefix_cp: the unit's :class:`~megatron_branch.context_parallel.CPLayout` when the
+        prefix_cp: the unit's :class:`~megatron_branch.attention.context_parallel.CPLayout` when the
             path K/V are sharded over context-parallel ranks (the prefix attention is then
             computed where the keys live and merged across ranks).
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from megatron_branch.context_parallel import CPLayout
+    from megatron_branch.attention.context_parallel import CPLayout
 
 
 def blocks(lo: int, hi: int, block: Optional[int]):
@@ -127,7 +127,7 @@ def prefix_forward(q, pk, pv, scale, fwd, q_block, k_block, cp: Optional["CPLayo
     """The path attention of this rank's queries: ``(out [n_local, h, d], lse [h, n_local])``."""
     if cp is None or cp.size == 1:
         return local_forward(q, pk, pv, scale, fwd, q_block, k_block)
-    from megatron_branch.context_parallel import all_gather_rows, reduce_scatter_rows
+    from megatron_branch.attention.context_parallel import all_gather_rows, reduce_scatter_rows
 
     q_all = all_gather_rows(q.contiguous(), cp)  # [n_unit, h, d]
     o, l = local_forward(q_all, pk, pv, scale, fwd, q_block, k_block)
@@ -148,7 +148,7 @@ def prefix_backward(dout, q, out, lse, pk, pv, scale, bwd, q_block, k_block, cp:
     """``(dq [n_local, h, d], dk [P_local, hk, d], dv)`` float32."""
     if cp is None or cp.size == 1:
         return local_backward(dout, q, out, lse, pk, pv, scale, bwd, q_block, k_block)
-    from megatron_branch.context_parallel import all_gather_rows, reduce_scatter_rows
+    from megatron_branch.attention.context_parallel import all_gather_rows, reduce_scatter_rows
 
     q_all, do_all, o_all = (all_gather_rows(x.contiguous(), cp) for x in (q, dout, out))
     # [h, n_local] -> [n_local, h] rows -> [h, n_unit]

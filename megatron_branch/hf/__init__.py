@@ -21,7 +21,7 @@ def build_from_hf_config(hf_cfg: dict, params_dtype: torch.dtype = torch.float32
                          **config_overrides):
     """``(GPTModel, TransformerConfig)`` with the branch spec for a HF config dict (random weights)."""
     from megatron_branch._megatron import parallel_state
-    from megatron_branch.models import build_gpt, llama_config
+    from megatron_branch.spec.builders import build_gpt, llama_config
 
     config_kwargs, model_kwargs = megatron_args_from_hf(hf_cfg)
     config_kwargs.update(config_overrides)
@@ -54,23 +54,23 @@ def load_gpt_from_hf(hf_dir: str, params_dtype: torch.dtype = torch.float32, **s
 
 def load_state(model, state: Dict[str, Tensor]) -> None:
     """Load unsharded stock-named weights on any TP/PP (and, for MoE, EP) layout."""
-    from megatron_branch.scoring import unwrap
+    from megatron_branch.scoring.vocab import unwrap
 
     if getattr(unwrap(model).config, "num_moe_experts", None):
-        from megatron_branch.moe import load_full_state
+        from megatron_branch.spec.moe import load_full_state
     else:
-        from megatron_branch.parallel import load_full_state
+        from megatron_branch.full_state import load_full_state
     load_full_state(model, state)
 
 
 def model_state(model, which: str = "param") -> Dict[str, Tensor]:
     """Unsharded stock-named weights (or grads) of a live model (collective; EP-aware for MoE)."""
-    from megatron_branch.scoring import unwrap
+    from megatron_branch.scoring.vocab import unwrap
 
     if getattr(unwrap(model).config, "num_moe_experts", None):
-        from megatron_branch.moe import full_state
+        from megatron_branch.spec.moe import full_state
     else:
-        from megatron_branch.parallel import full_state
+        from megatron_branch.full_state import full_state
     return full_state(model, which)
 
 

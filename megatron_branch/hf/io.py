@@ -32,7 +32,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from torch import Tensor
 
-from megatron_branch.checks import check_input_json, check_output_dir, fsync_dir
+from megatron_branch.commands.preflight import check_input_json, check_output_dir, fsync_dir
 
 INDEX = "model.safetensors.index.json"
 _OWNED = re.compile(r"^\.(?P<base>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-(?P<start>\d+)-(?P<host>[0-9a-f]{8})-[a-z0-9_]+$")

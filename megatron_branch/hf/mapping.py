@@ -2,7 +2,7 @@
 
 Our own code: Megatron-Bridge, the usual converter, needs Transformer Engine and CUDA.
 Weights are plain tensors keyed by name on both sides; Megatron names are the stock
-local-spec names with global layer numbers (as :func:`megatron_branch.parallel.full_state`
+local-spec names with global layer numbers (as :func:`megatron_branch.full_state.full_state`
 returns). Layouts that differ:
 
 * ``linear_qkv`` interleaves per KV group: for group ``g``, the ``heads / kv_heads`` query

@@ -1,7 +1,7 @@
 """``replay_step``: a memory-bounded branch-replay forward/backward with a user's loss.
 
 The tree is walked depth first (:mod:`megatron_branch.replay.plan`). A stem unit is
-forwarded once and its per-layer K/V cached (:mod:`megatron_branch.prefix_cache`); its
+forwarded once and its per-layer K/V cached (:mod:`megatron_branch.attention.path_cache`); its
 log-probs are handed to the loss as leaf tensors. Each chunk below it attends to the
 cache, evaluates ``loss_fn`` on the rollouts that end in it, and runs its backward at
 once, which accumulates parameter gradients, the stem's ``dK/dV`` and the gradients of
@@ -28,14 +28,14 @@ from typing import Callable, Dict, List, Literal, Optional, Sequence, Tuple, Uni
 import torch
 from torch import Tensor
 
-from megatron_branch.logits import scored_tokens
-from megatron_branch.memory import PeakMemory
-from megatron_branch.prefix_cache import PathCache, StemRows
+from megatron_branch.scoring.output_rows import scored_tokens
+from megatron_branch.peak_memory import PeakMemory
+from megatron_branch.attention.path_cache import PathCache, StemRows
 from megatron_branch.replay.plan import ReplayOp, path_capacity, plan_replay, unit_of_rollouts
-from megatron_branch.scoring import check_model, model_device
+from megatron_branch.scoring.vocab import check_model, model_device
 from megatron_branch.training.ddp import GradSync, as_chunks, param_grad, single_chunk
 from megatron_branch.tree import BranchTree
-from megatron_branch.unit import ChildIndex, forward_unit, local_unit_rows
+from megatron_branch.scoring.unit import ChildIndex, forward_unit, local_unit_rows
 
 LossFn = Callable[[Tensor, Tensor], Union[Tensor, Tuple[Tensor, Tensor]]]
 PrefixGrad = Literal["exact", "detached"]

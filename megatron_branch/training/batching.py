@@ -125,7 +125,7 @@ def plan_data_parallel(
         streaming: a group larger than ``micro_batch_tokens`` becomes a micro-batch of its
             own (streaming replay bounds its memory); otherwise it is an error.
         linear_weight: per-token linear work in attention-pair units
-            (:func:`megatron_branch.unit.linear_weight`).
+            (:func:`megatron_branch.scoring.unit.linear_weight`).
         score_mask: ``[R, max_len - 1]``, nonzero where the loss reads log-probs (the
             response mask): each micro-batch gets its rows, so logits are computed only there.
 

@@ -67,9 +67,9 @@ from megatron_branch._megatron import (
     parallel_state,
     tensor_parallel,
 )
-from megatron_branch.checks import fsync_dir
+from megatron_branch.commands.preflight import fsync_dir
 from megatron_branch.cpu import cuda_factories_on_cpu
-from megatron_branch.scoring import unwrap
+from megatron_branch.scoring.vocab import unwrap
 from megatron_branch.training.ddp import as_chunks
 
 FORMAT_VERSION = 1

@@ -40,7 +40,7 @@ def single_chunk(model: Chunks, what: str) -> torch.nn.Module:
     if len(chunks) != 1:
         raise ValueError(
             f"model: {what} takes one model chunk, got {len(chunks)} (virtual pipeline stages run "
-            f"through megatron_branch.pipeline.forward_backward)"
+            f"through megatron_branch.training.schedule.forward_backward)"
         )
     check_wrapper(chunks[0])
     return chunks[0]

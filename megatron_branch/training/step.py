@@ -22,9 +22,9 @@ import torch
 
 from megatron_branch._megatron import finalize_model_grads, parallel_state
 from megatron_branch.cpu import cuda_factories_on_cpu
-from megatron_branch.pipeline import LossFn, MicroBatch, as_micro_batch, forward_backward, token_count
+from megatron_branch.training.schedule import LossFn, MicroBatch, as_micro_batch, forward_backward, token_count
 from megatron_branch.replay.step import replay_step, split_loss
-from megatron_branch.scoring import unwrap
+from megatron_branch.scoring.vocab import unwrap
 from megatron_branch.training.ddp import as_chunks, is_megatron_ddp, zero_grads
 from megatron_branch.training.optimizer import check_optimizer, optimizer_step
 
@@ -87,7 +87,7 @@ def forward_backward_step(
             ``None`` runs each micro-batch in one pass through Megatron's schedule.
         prefix_grad, recompute_stem, cp_comm_type: as for :func:`megatron_branch.replay_step`.
         forward_step_func: a different Megatron forward step for the schedule (the naive
-            truth, :func:`megatron_branch.naive.make_naive_forward_step`).
+            truth, :func:`megatron_branch.reference.naive.make_naive_forward_step`).
 
     Returns:
         ``(loss_sum, global_num_tokens)``: this rank's summed loss (last pipeline stage)

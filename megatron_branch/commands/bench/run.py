@@ -1,0 +1,422 @@
+"""``megatron-branch bench``: branch replay vs naive and peer methods, in one run.
+
+For every shape (rollouts per prompt G, prompt/response ratio, a multi-level tree, a
+many-segment agentic forest, a long-prompt batch, a batch with no sharing, a
+Mixture-of-Experts model) every method runs forward+backward of one GRPO-style loss on
+the same weights. The naive reference is a sweep: every rollout in full in micro-batches
+of 1, 2, 4 and all rollouts (gradient accumulation), each reported; the fastest (by
+median) is the reference for every speed-up. Tree methods' times include building
+their tree. Every time is the median of ``repeats`` interleaved runs with min and max;
+speed-ups are per-repeat ratios against the reference run side by side (median, min,
+max). MoE shapes use Megatron's MoE layer (sequential experts, the load-balancing and z
+losses on): the naive batch masks its padding out of the router statistics and the tree
+methods weight tokens by multiplicity, so all agree; their naive is the single batch only
+(micro-batches would change the per-batch router statistics). Reported per method: time
+and speed-up vs the fastest naive (median, min, max), the ideal FLOP ratio (naive
+per-rollout FLOPs / the tree's FLOPs) and the fraction of it reached, estimated FLOPs,
+peak memory (measured in the untimed first run, which also checks exactness) and the max
+relative gradient difference vs ``naive_mb1``. Only ratios are meaningful on a noisy
+machine; the presets run torch on one thread (``--threads``).
+``profile`` adds a torch.profiler breakdown of where ours' gap to the ideal ratio goes
+(:mod:`megatron_branch.commands.bench.profile`); ``peer`` compares with the real
+``prefix_grouper`` package on a Hugging Face Llama (:mod:`megatron_branch.commands.bench.peer`).
+Output: a table, ``bench.json`` and ``bench.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Dict, List, Optional
+
+import torch
+
+from megatron_branch import losses
+from megatron_branch.flops import ModelShape, causal_pairs, step_flops
+from megatron_branch.commands.bench.methods import prepare_methods
+from megatron_branch.cpu import enable_cpu
+from megatron_branch.distributed import init_distributed
+from megatron_branch.peak_memory import PeakMemory
+from megatron_branch.spec.builders import build_gpt, llama_config
+from megatron_branch.commands.progress import Progress
+from megatron_branch.commands.synthetic import RolloutBatch, branching_rollouts
+from megatron_branch.reference.agreement import compare_grads, grads
+
+SCHEMA_VERSION = 2
+
+
+@dataclass
+class Shape:
+    """One benchmark workload."""
+
+    name: str
+    prompt_lengths: List[int]
+    branching: List[int]
+    segment_lengths: List[int]
+    distinct_roots: bool = False  # first tokens all different: nothing is shared
+    moe: bool = False  # run on the Mixture-of-Experts model (BenchConfig.moe_experts, moe_topk)
+
+    def batch(self, vocab: int, seed: int) -> RolloutBatch:
+        batch = branching_rollouts(self.prompt_lengths, self.branching, self.segment_lengths, vocab, seed=seed)
+        if self.distinct_roots:
+            for i, seq in enumerate(batch.sequences):
+                seq[0] = i % vocab
+        return batch
+
+
+@dataclass
+class BenchConfig:
+    """Model and workloads; :meth:`quick` is the small setting (< 3 minutes on 2 cores)."""
+
+    num_layers: int = 2
+    hidden_size: int = 256
+    num_attention_heads: int = 8
+    num_query_groups: int = 4
+    vocab_size: int = 512
+    chunk_tokens: int = 1024
+    repeats: int = 3
+    seed: int = 0
+    shapes: List[Shape] = field(default_factory=list)
+    moe_experts: int = 8  # MoE shapes: experts per layer, each of width top-k x ... = the dense FFN / top-k
+    moe_topk: int = 2
+    dense_max_score_bytes: int = 256 << 20  # dense_tree is skipped above this many [U, U] score bytes
+    profile_shapes: List[str] = field(default_factory=list)  # shapes whose gap to the ideal is profiled
+    peer: bool = False  # the prefix_grouper comparison (Hugging Face Llama)
+    peer_shapes: List[Shape] = field(default_factory=list)
+    # torch intra-op threads (None: torch's default). The presets use 1: on a small machine shared with
+    # other jobs, multi-threaded kernels wait on descheduled threads and timings scatter by 10x.
+    threads: Optional[int] = None
+
+    @classmethod
+    def full(cls) -> "BenchConfig":
+        resp = 64
+        shapes = [Shape(f"G={g} p/r=16", [16 * resp], [g], [resp]) for g in (4, 8, 16, 32)]
+        shapes += [Shape(f"G=16 p/r={r}", [r * 64], [16], [64]) for r in (1, 4)]
+        shapes += [
+            Shape("multi-level 1024+2x64+8x128", [1024], [2, 8], [64, 128]),
+            Shape("agentic forest 4x128, 3 turns x16, 4-way", [128] * 4, [4, 4, 4], [16, 16, 16]),
+            Shape("16x(4096+96)", [4096], [16], [96]),
+            Shape("no sharing 16x1024", [512] * 16, [1], [512], distinct_roots=True),
+            Shape("MoE 8x top-2, G=16 p/r=16", [16 * resp], [16], [resp], moe=True),
+        ]
+        peer_shapes = [Shape("G=16 1024+64", [1024], [16], [64]),
+                       Shape("2 prompts, G=8 512+128", [512] * 2, [8], [128])]
+        profile = ["G=16 p/r=16", "agentic forest 4x128, 3 turns x16, 4-way", "16x(4096+96)"]
+        # hidden 128 (head dim 32): the naive micro-batch sweep on 16 x (4096 + 96) and 256-rollout forests
+        # must fit a ~25-minute run on 2 shared cores
+        return cls(hidden_size=128, num_attention_heads=4, num_query_groups=2, vocab_size=512, shapes=shapes,
+                   threads=1, profile_shapes=profile, peer=True, peer_shapes=peer_shapes)
+
+    @classmethod
+    def quick(cls) -> "BenchConfig":
+        resp = 32
+        shapes = [Shape(f"G={g} p/r=16", [16 * resp], [g], [resp]) for g in (4, 16)]
+        shapes += [Shape(f"G=16 p/r={r}", [r * 16], [16], [16]) for r in (1, 4)]
+        shapes += [
+            Shape("multi-level 256+2x16+8x32", [256], [2, 8], [16, 32]),
+            Shape("agentic forest 2x32, 3 turns x8, 4-way", [32] * 2, [4, 4, 4], [8, 8, 8]),
+            Shape("no sharing 16x256", [128] * 16, [1], [128], distinct_roots=True),
+            Shape("MoE 8x top-2, G=16 p/r=16", [16 * resp], [16], [resp], moe=True),
+        ]
+        return cls(hidden_size=128, num_attention_heads=4, num_query_groups=2, vocab_size=256,
+                   chunk_tokens=256, repeats=3, shapes=shapes, threads=1, profile_shapes=["G=16 p/r=16"],
+                   peer=True, peer_shapes=[Shape("G=8 256+32", [256], [8], [32])])
+
+
+def _loss(batch: RolloutBatch):
+    num = len(batch.sequences)
+    gen = torch.Generator().manual_seed(1)
+    adv = losses.grpo_advantages(torch.rand(num, generator=gen), num)
+    prompts = [max(p, 1) for p in batch.prompt_lengths]
+    mask = losses.response_mask(batch.lengths, prompts)
+    tokens = mask.sum()
+
+    def loss_fn(lp, ids):
+        return losses.ppo_policy_loss(lp, lp.detach(), adv[ids], mask[ids], global_tokens=tokens)[0]
+
+    return loss_fn
+
+
+def _models(cfg: BenchConfig, moe: bool = False) -> Dict[str, torch.nn.Module]:
+    moe_kwargs, spec = {}, {}
+    if moe:  # same active FFN width as the dense model: top-k experts of width ffn / k
+        moe_kwargs = dict(num_moe_experts=cfg.moe_experts, moe_router_topk=cfg.moe_topk,
+                          moe_ffn_hidden_size=3 * cfg.hidden_size // cfg.moe_topk, moe_aux_loss_coeff=0.01,
+                          moe_z_loss_coeff=1e-3, moe_token_dispatcher_type="allgather")
+        spec = {"num_experts": cfg.moe_experts, "moe_grouped_gemm": False}
+    config = llama_config(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+                          num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
+                          **moe_kwargs)
+    models = {b: build_gpt(config, cfg.vocab_size, spec_kwargs={"backend": b, **spec}, seed=cfg.seed)
+              for b in ("cascade", "dense", "repeat_kv")}
+    state = models["cascade"].state_dict()
+    for m in models.values():
+        m.load_state_dict(state)
+    return models
+
+
+def _flop_shape(config, vocab: int) -> ModelShape:
+    """FLOP shape; a MoE counts the FFN width a token runs through (top-k experts)."""
+    shape = ModelShape.from_config(config, vocab)
+    if config.num_moe_experts:
+        shape = replace(shape, ffn_hidden_size=config.moe_router_topk * config.moe_ffn_hidden_size)
+    return shape
+
+
+def _zero(models) -> None:
+    for m in models.values():
+        m.zero_grad(set_to_none=True)
+
+
+def _model_for(name: str) -> str:
+    return "dense" if name == "dense_tree" else "repeat_kv" if name == "prompt_once" else "cascade"
+
+
+def spread(values: List[float]) -> Dict[str, float]:
+    """``{"median", "min", "max"}`` of a list of repeats."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def run_bench(cfg: BenchConfig, methods: Optional[List[str]] = None, echo=print) -> dict:
+    """Run every shape and method (then the profile and the peer comparison if configured);
+    returns the JSON-ready report."""
+    enable_cpu()
+    init_distributed()
+    threads = torch.get_num_threads()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    try:
+        return _run_bench(cfg, methods, echo)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_bench(cfg: BenchConfig, methods: Optional[List[str]], echo) -> dict:
+    kinds: Dict[bool, Dict[str, torch.nn.Module]] = {}
+    per_shape = 1 + cfg.repeats
+    report = {"schema_version": SCHEMA_VERSION, "config": asdict(cfg), "torch_threads": torch.get_num_threads(),
+              "device": "cpu", "shapes": []}
+    prepared_by_shape = {}
+    started = time.perf_counter()
+    with Progress(len(cfg.shapes) * per_shape, "bench") as bar:
+        for shape in cfg.shapes:
+            if shape.moe not in kinds:
+                kinds[shape.moe] = _models(cfg, shape.moe)
+            models = kinds[shape.moe]
+            shape_m = _flop_shape(models["cascade"].config, cfg.vocab_size)
+            batch = shape.batch(cfg.vocab_size, cfg.seed)
+            loss_fn = _loss(batch)
+            prepared = prepare_methods(models, batch, loss_fn, cfg.chunk_tokens, methods, cfg.dense_max_score_bytes)
+            runnable = [p for p in prepared if p.step is not None]
+            # exactness, peak memory and warm-up in one untimed run
+            ref = None
+            diffs, memory = {}, {}
+            for p in runnable:
+                _zero(models)
+                with PeakMemory() as meter:
+                    p.step()
+                memory[p.name] = meter.peak_bytes
+                g = grads(models[_model_for(p.name)])
+                if ref is None:
+                    ref = g
+                diffs[p.name] = max(compare_grads(g, ref).values())
+            bar.update(f"{shape.name}: exactness")
+            times = {p.name: [] for p in runnable}
+            for _ in range(cfg.repeats):
+                for p in runnable:
+                    _zero(models)
+                    start = time.perf_counter()
+                    p.step()
+                    times[p.name].append(time.perf_counter() - start)
+                bar.update(f"{shape.name}: timing")
+            report["shapes"].append(_summarise(shape, batch, prepared, times, memory, diffs, shape_m))
+            prepared_by_shape[shape.name] = (models, batch, loss_fn, prepared, shape_m)
+    report["seconds_main"] = time.perf_counter() - started
+    if cfg.profile_shapes:
+        from megatron_branch.commands.bench.profile import profile_gap
+
+        report["profile"] = []
+        for name in cfg.profile_shapes:
+            if name not in prepared_by_shape:
+                continue
+            summary = next(s for s in report["shapes"] if s["shape"] == name)
+            report["profile"].append(profile_gap(name, summary, *prepared_by_shape[name][:4]))
+    if cfg.peer:
+        from megatron_branch.commands.bench.peer import run_peer
+
+        report["peer"] = run_peer(cfg, echo=echo)
+    report["seconds_total"] = time.perf_counter() - started
+    return report
+
+
+def _summarise(shape, batch, prepared, times, memory, diffs, shape_m) -> dict:
+    naive_ideal = step_flops(shape_m, sum(batch.lengths), sum(causal_pairs(n) for n in batch.lengths))
+    ours = next(p for p in prepared if p.name == "ours")
+    ideal = naive_ideal["total"] / step_flops(shape_m, ours.positions, ours.attention_pairs)["total"]
+    sweep = [n for n in times if n.startswith("naive_mb")]
+    best = min(sweep, key=lambda n: statistics.median(times[n])) if sweep else None
+    rows = []
+    for p in prepared:
+        row = {"method": p.name, "kernel": p.kernel, "positions": p.positions,
+               "flops": step_flops(shape_m, p.positions, p.attention_pairs)["total"]}
+        if p.step is None:
+            row["skipped"] = p.skipped
+        else:
+            t = times[p.name]
+            row.update(seconds=spread(t), peak_memory_bytes=memory[p.name], max_rel_grad_diff=diffs[p.name])
+            if best:
+                ratios = [a / b for a, b in zip(times[best], t)]  # paired: same repeat, side by side
+                row["speedup"] = spread(ratios)
+                row["fraction_of_ideal"] = {k: v / ideal for k, v in row["speedup"].items()}
+        rows.append(row)
+    return {
+        "shape": shape.name, "rollouts": len(batch.sequences), "segments": _segments(batch),
+        "naive_positions": sum(batch.lengths), "unique_positions": ours.positions, "ideal_flop_ratio": ideal,
+        "naive_flops_unpadded": naive_ideal["total"], "naive_reference": best, "methods": rows,
+    }
+
+
+def _segments(batch) -> int:
+    from megatron_branch.tree import BranchTree
+
+    return len(BranchTree.from_sequences(batch.sequences).segments)
+
+
+def _fmt_spread(d: dict, scale: float = 1.0, fmt: str = "{:.2f}") -> str:
+    return (fmt.format(d["median"] * scale) + " [" + fmt.format(d["min"] * scale) + "-"
+            + fmt.format(d["max"] * scale) + "]")
+
+
+def format_table(report: dict) -> str:
+    """The terminal table: medians with [min-max] over the repeats."""
+    lines = []
+    head = (f"{'method':<14s}{'seconds [min-max]':>26s}{'speed-up [min-max]':>24s}{'%ideal':>8s}{'GFLOP':>8s}"
+            f"{'peak MB':>9s}{'grad diff':>10s}")
+    for s in report["shapes"]:
+        lines.append(f"\n{s['shape']}: {s['rollouts']} rollouts, {s.get('segments', '?')} segments, naive "
+                     f"{s['naive_positions']} / unique {s['unique_positions']} positions, ideal FLOP ratio "
+                     f"{s['ideal_flop_ratio']:.2f}x; reference: fastest naive = {s.get('naive_reference')}")
+        lines.append(head)
+        for r in s["methods"]:
+            if "skipped" in r:
+                lines.append(f"{r['method']:<14s}  skipped: {r['skipped']}")
+                continue
+            sp = r.get("speedup")
+            lines.append(
+                f"{r['method']:<14s}{_fmt_spread(r['seconds'], fmt='{:.3f}'):>26s}"
+                f"{(_fmt_spread(sp) if sp else '-'):>24s}"
+                f"{(100 * r['fraction_of_ideal']['median'] if sp else 0):>7.0f}%{r['flops'] / 1e9:>8.1f}"
+                f"{r['peak_memory_bytes'] / 2**20:>9.1f}{r['max_rel_grad_diff']:>10.1e}"
+            )
+    lines.append("\nkernels: " + "; ".join(f"{r['method']}: {r['kernel']}" for r in report["shapes"][0]["methods"]))
+    if report.get("profile"):
+        from megatron_branch.commands.bench.profile import format_profile
+
+        lines.append(format_profile(report["profile"]))
+    if report.get("peer"):
+        from megatron_branch.commands.bench.peer import format_peer
+
+        lines.append(format_peer(report["peer"]))
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    """Speed-up vs the fastest naive against the ideal FLOP ratio (median, min-max bars) per
+    method, and peak memory vs that naive."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.5))
+    names = []
+    for s in report["shapes"]:
+        for r in s["methods"]:
+            if not r["method"].startswith("naive") and r["method"] not in names:
+                names.append(r["method"])
+    top = 1.0
+    for name in names:
+        xs, ys, lo, hi = [], [], [], []
+        for s in report["shapes"]:
+            r = next((r for r in s["methods"] if r["method"] == name), None)
+            if r and "speedup" in r:
+                xs.append(s["ideal_flop_ratio"])
+                ys.append(r["speedup"]["median"])
+                lo.append(r["speedup"]["median"] - r["speedup"]["min"])
+                hi.append(r["speedup"]["max"] - r["speedup"]["median"])
+        ax1.errorbar(xs, ys, yerr=[lo, hi], fmt="o", capsize=2, label=name)
+        top = max([top] + xs + ys)
+    ax1.plot([1, top], [1, top], "k--", lw=1, label="ideal (FLOP ratio)")
+    ax1.set_xscale("log"), ax1.set_yscale("log")
+    ax1.set_xlabel("ideal FLOP ratio (naive / tree)")
+    ax1.set_ylabel("speed-up vs the fastest naive micro-batching")
+    ax1.set_title("fwd+bwd speed-up (median, min-max of paired repeats)"), ax1.legend(fontsize=8)
+    labels = [s["shape"] for s in report["shapes"]]
+    width = 0.8 / max(len(names), 1)
+    for i, name in enumerate(names):
+        vals = []
+        for s in report["shapes"]:
+            naive = next((r for r in s["methods"] if r["method"] == s.get("naive_reference")), None)
+            r = next((r for r in s["methods"] if r["method"] == name), {})
+            base = naive.get("peak_memory_bytes", 1) if naive else 1
+            vals.append(r.get("peak_memory_bytes", 0) / max(base, 1))
+        ax2.bar([j + i * width for j in range(len(labels))], vals, width, label=name)
+    ax2.set_xticks([j + 0.4 for j in range(len(labels))], labels, rotation=35, ha="right", fontsize=7)
+    ax2.set_yscale("log")
+    ax2.axhline(1.0, color="k", lw=1, ls="--")
+    ax2.set_ylabel("peak memory / fastest naive (log)"), ax2.set_title("peak memory (CPU live tensor bytes)")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(args) -> int:
+    cfg = BenchConfig.quick() if args.quick else BenchConfig.full()
+    if args.repeats:
+        cfg.repeats = args.repeats
+    if args.chunk_tokens:
+        cfg.chunk_tokens = args.chunk_tokens
+    if args.threads:
+        cfg.threads = args.threads
+    if args.peer is not None:
+        cfg.peer = args.peer
+    if args.profile is False:
+        cfg.profile_shapes = []
+    report = run_bench(cfg, args.methods)
+    print(format_table(report))
+    os.makedirs(args.out, exist_ok=True)
+    json_path, png_path = os.path.join(args.out, "bench.json"), os.path.join(args.out, "bench.png")
+    with open(json_path, "w") as f:
+        json.dump(report, f, indent=2)
+    plot(report, png_path)
+    print(f"\nwrote {json_path} and {png_path}")
+    return 0
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--quick", action="store_true", help="small model and shapes (about 2 minutes on 2 cores)")
+    parser.add_argument("--out", default="bench_out", help="directory for bench.json and bench.png")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per method (median)")
+    parser.add_argument("--chunk-tokens", type=int, default=None, help="streaming replay budget")
+    parser.add_argument("--methods", nargs="+", default=None,
+                        choices=["naive", "packed", "prompt_once", "dense_tree", "ours", "ours_stream"],
+                        help="subset of methods (naive, the micro-batch sweep, is the reference and should be "
+                             "included)")
+    parser.add_argument("--threads", type=_positive, default=None,
+                        help="torch intra-op threads (1 steadies timings on a machine shared with other jobs)")
+    parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=None,
+                        help="the prefix_grouper comparison on a Hugging Face Llama (default: on)")
+    parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None,
+                        help="profile where ours' gap to the ideal ratio goes (default: on)")

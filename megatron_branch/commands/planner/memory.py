@@ -1,0 +1,183 @@
+"""What one streaming branch-replay step keeps in memory, rank by rank.
+
+This follows the implementation, not a rule of thumb: it walks the same replay plan
+(:func:`megatron_branch.replay.plan.plan_replay`), splits every unit over the CP ranks
+with the same work-balanced bounds (:func:`megatron_branch.attention.context_parallel.shard_bounds`)
+and counts, per rank:
+
+* the path cache (:class:`megatron_branch.attention.path_cache.PathCache`): allocated once for the
+  deepest stem path — this rank's rows x layers x 2 (K, V) x kv_dim at the activation
+  width, plus float32 gradient accumulators of the same shape in exact replay;
+* the unit being run (a chunk, or a stem recomputed for its backward): saved activations
+  ``LAYER_ELEMS`` per token per layer, ``TOKEN_ELEMS`` per token outside the layers, the
+  unit's K/V gathered over CP and saved by every layer's attention, and float32 logits for
+  the scored tokens' parents only (``LOGIT_COPIES`` x vocab: logits, softmax, gradient);
+* the log-probs of the stems' children (a float32 leaf of ``U`` entries and its gradient);
+* the attention backward's float32 working set, which meets the other layers' saved
+  activations at the top layer's backward (when the logits are already freed, so the
+  larger of the two counts): ``ATTN_PIECES`` x queries x hidden for the unit's own pieces,
+  and for the path cache ``ATTN_PREFIX`` x prefix queries x hidden plus ``ATTN_CACHE`` x
+  cached rows x kv_dim (``dK``/``dV`` and their kernel outputs). Under CP every rank runs
+  the prefix attention for *all* the unit's queries (all-gathered) against its own rows,
+  and keeps the gathered ``q``, ``dO``, ``O`` and a reduce buffer (``ATTN_CP`` x unit
+  queries x hidden) plus the unit's gathered ``dK``/``dV``.
+
+The path's K/V are never gathered (the prefix attention runs where the keys live), so
+nothing else grows with the prompt. The constants are fitted on single-process fp32 runs
+of Megatron's local layers (:func:`megatron_branch.commands.planner.validate.validate_on_cpu` and
+``tests/test_planner.py``); ``megatron-branch bench-scale`` checks them, rank by rank,
+on context-parallel runs they were not fitted on.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+# saved activation elements per token per layer: a_h * hidden + a_kv * kv_dim + a_ffn * ffn
+LAYER_ELEMS = (10.2, 3.1, 5.1)
+TOKEN_ELEMS = 2.0  # x hidden, per token outside the layers (embedding output, final norm)
+LOGIT_COPIES = 3.0  # x vocab x 4 B, per scored parent row
+ATTN_PIECES = 12.5  # float32 x local queries x hidden: the pieces' backward
+ATTN_PREFIX = 4.5  # float32 x prefix queries x hidden: the path piece's backward
+ATTN_CACHE = 6.0  # float32 x cached rows x kv_dim: its dK/dV
+ATTN_CP = 4.0  # float32 x unit queries x hidden: gathered q, dO, O and the reduce buffer
+
+
+def layer_elems(spec, tp: int = 1) -> float:
+    a_h, a_kv, a_f = LAYER_ELEMS
+    kv_dim = max(spec.num_kv_heads // tp, 1) * spec.kv_channels
+    return (a_h * spec.hidden_size) / tp + a_kv * kv_dim + a_f * spec.ffn_hidden_size / tp
+
+
+def unit_parts(spec, tokens: float, unit_tokens: float, scored_rows: float, *, tp: int, cp: int, layers: int,
+               act_bytes: int, cached_rows: float = 0, has_path: bool = False, recompute: str = "none") -> dict:
+    """Working set of one unit on one rank at its backward, by part (bytes).
+
+    Args:
+        tokens: this rank's tokens of the unit; unit_tokens: the whole unit's.
+        scored_rows: this rank's logits rows (scored tokens' parents).
+        cached_rows: this rank's rows of the path cache above the unit.
+        has_path: stems are cached above the unit (it runs the path attention).
+        recompute: Megatron's activation recompute (``"full"`` keeps each layer's input
+            and one layer's activations).
+    """
+    kv_dim = max(spec.num_kv_heads // tp, 1) * spec.kv_channels
+    hidden = spec.num_attention_heads // tp * spec.kv_channels
+    per_token = (layers * spec.hidden_size / tp + layer_elems(spec, tp) if recompute == "full"
+                 else layers * layer_elems(spec, tp))
+    attention = ATTN_PIECES * tokens * hidden + (2 * unit_tokens * kv_dim if cp > 1 else 0)
+    if has_path:
+        queries = unit_tokens if cp > 1 else tokens
+        attention += ATTN_PREFIX * queries * hidden + ATTN_CACHE * cached_rows * kv_dim
+        if cp > 1:
+            attention += ATTN_CP * unit_tokens * hidden
+    return {
+        "activations": tokens * (per_token + TOKEN_ELEMS * spec.hidden_size / tp) * act_bytes,
+        "gathered_kv": layers * 2 * unit_tokens * kv_dim * act_bytes if cp > 1 else 0.0,
+        "logits": scored_rows * LOGIT_COPIES * spec.vocab_size / tp * 4,
+        "attention": 4 * attention,
+    }
+
+
+def unit_bytes(spec, tokens: float, unit_tokens: float, scored_rows: float, **kwargs) -> float:
+    """Total of :func:`unit_parts`: the logits and the attention workspace never meet (the
+    logits are freed before the layers' backward), so the larger of the two counts."""
+    p = unit_parts(spec, tokens, unit_tokens, scored_rows, **kwargs)
+    return p["activations"] + p["gathered_kv"] + max(p["logits"], p["attention"])
+
+
+def cache_bytes(spec, rows: int, *, tp: int, layers: int, act_bytes: int, exact: bool = True) -> float:
+    """The path cache of ``rows`` (this rank's share of the deepest stem path)."""
+    kv_dim = max(spec.num_kv_heads // tp, 1) * spec.kv_channels
+    return rows * layers * 2 * kv_dim * (act_bytes + (4 if exact else 0))
+
+
+def replay_peak_bytes(spec, tree, *, chunk_tokens: Optional[int], tp: int = 1, cp: int = 1, pp: int = 1,
+                      score_mask=None, act_bytes: int = 2, exact: bool = True) -> List[float]:
+    """Peak bytes of one streaming exact replay step (``recompute_stem=True``) per CP rank,
+    above the weights, gradients and optimizer state.
+
+    Args:
+        spec: a :class:`~megatron_branch.commands.planner.presets.ModelSpec`.
+        tree: the packed rollouts (a :class:`~megatron_branch.tree.BranchTree`).
+        chunk_tokens: the replay budget (``None``: one pass).
+        tp, cp, pp: the layout (sequence parallel with ``tp > 1``).
+        score_mask: ``[R, max_len - 1]`` scored positions (``None``: all).
+        act_bytes: bytes per activation element (4 fp32, 2 bf16).
+        exact: exact replay keeps float32 gradient accumulators for the cache.
+    """
+    from megatron_branch.attention.context_parallel import shard_bounds
+    from megatron_branch.flops import ModelShape
+    from megatron_branch.scoring.output_rows import scored_tokens
+    from megatron_branch.replay.plan import plan_replay
+    from megatron_branch.scoring.unit import shape_linear_weight
+
+    layers = -(-spec.num_layers // pp)
+    ops = plan_replay(tree, chunk_tokens)
+    scored = scored_tokens(tree, score_mask) if score_mask is not None else torch.ones(tree.unique_positions,
+                                                                                          dtype=torch.bool)
+    parents = tree.parents.clone()
+    parent_scored = torch.zeros(tree.unique_positions, dtype=torch.bool)
+    parent_scored[parents[(parents >= 0) & scored]] = True
+    multiple = tp if tp > 1 else 1
+    weight = shape_linear_weight(ModelShape(spec.num_layers, spec.hidden_size, spec.num_attention_heads,
+                                            spec.num_kv_heads, spec.ffn_hidden_size, spec.vocab_size))
+    # the path cache holds, per rank, that rank's share of the deepest stem path
+    stem_rows = [0.0] * cp
+    depth_rows = [0.0] * cp
+    stack: List[List[int]] = []
+    work = [0.0] * cp
+    for op in ops:
+        if op.kind == "pop":
+            for r, n in enumerate(stack.pop()):
+                depth_rows[r] -= n
+            continue
+        n = op.end - op.start
+        total = max(n, cp * multiple)
+        total = -(-total // multiple) * multiple
+        positions = torch.cat([tree.positions[op.start:op.end], torch.arange(total - n)])
+        bounds = shard_bounds(positions, cp, weight, multiple) if cp > 1 else [(0, total)]
+        rows = [max(0, min(hi, n) - lo) for lo, hi in bounds]
+        scored_rows = [int(parent_scored[op.start + lo:op.start + min(hi, n)].sum()) if hi > lo else 0
+                       for lo, hi in bounds]
+        for r, (lo, hi) in enumerate(bounds):
+            work[r] = max(work[r], unit_bytes(spec, hi - lo, total, scored_rows[r], tp=tp, cp=cp, layers=layers,
+                                              act_bytes=act_bytes, cached_rows=int(depth_rows[r]),
+                                              has_path=bool(stack)))
+        if op.kind == "stem":
+            stack.append(rows)
+            for r in range(cp):
+                depth_rows[r] += rows[r]
+                stem_rows[r] = max(stem_rows[r], depth_rows[r])
+    known = tree.unique_positions * 4 * (2 if exact else 1) if stem_rows[0] else 0
+    return [cache_bytes(spec, stem_rows[r], tp=tp, layers=layers, act_bytes=act_bytes, exact=exact) + known + work[r]
+            for r in range(cp)]
+
+
+def workload_memory(spec, prompt_len: int, rollouts: int, response_len: int, *, chunk_tokens: int, tp: int,
+                    cp: int, pp: int, recompute: str = "none", act_bytes: int = 2) -> dict:
+    """The same accounting for the planner's workloads (prompts of ``prompt_len`` with
+    ``rollouts`` answers of ``response_len``; streaming exact replay with
+    ``recompute_stem=True``), split evenly over CP, without building a tree: the peak is
+    a chunk of answers (every token scored) under the cached prompt.
+
+    Returns:
+        Bytes per GPU by part: ``stem_kv_cache`` (values and float32 gradient
+        accumulators), ``unit_activations`` (saved activations and gathered K/V),
+        ``logits_or_attention`` (the larger of the two), ``logprob_leaves``.
+    """
+    layers = -(-spec.num_layers // pp)
+    tails = rollouts * response_len
+    stems = prompt_len if prompt_len + tails > chunk_tokens else 0
+    unit = min(chunk_tokens, prompt_len + tails)
+    local = unit / cp
+    parts = unit_parts(spec, local, unit, local, tp=tp, cp=cp, layers=layers, act_bytes=act_bytes,
+                       cached_rows=stems / cp, has_path=bool(stems), recompute=recompute)
+    return {
+        "stem_kv_cache": cache_bytes(spec, stems / cp, tp=tp, layers=layers, act_bytes=act_bytes),
+        "unit_activations": parts["activations"] + parts["gathered_kv"],
+        "logits_or_attention": max(parts["logits"], parts["attention"]),
+        "logprob_leaves": (prompt_len + tails) * 8.0 if stems else 0.0,
+    }

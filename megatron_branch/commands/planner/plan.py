@@ -1,0 +1,150 @@
+"""``megatron-branch plan``: choose TP/CP/PP, chunk, recompute and FP8 for a workload.
+
+Searches the layouts a cluster allows, keeps those whose per-GPU memory fits (90% of
+the GPU, the rest for the allocator and communication buffers), and picks the fastest
+at a stated MFU. Prints the memory breakdown, FLOPs and step time next to the naive
+computation, and whether it fits. ``--validate`` first checks the activation model
+against peak memory measured on small CPU runs of this package.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import asdict
+from typing import Dict, List
+
+from megatron_branch.commands.planner.estimate import GB, Layout, Workload, memory_per_gpu, step_time
+from megatron_branch.commands.planner.presets import GPUS, MODELS, GPUSpec, ModelSpec, model_from_hf_config
+
+USABLE = 0.9
+CHUNKS = (4096, 8192, 16384, 32768)
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(model: ModelSpec, work: Workload, gpus: int) -> List[Layout]:
+    out = []
+    for tp, pp, dp in itertools.product(_divisors(gpus), (1, 2, 4, 8), _divisors(gpus)):
+        if tp > 8 or model.num_attention_heads % tp or model.num_kv_heads % tp:
+            continue
+        if gpus % (tp * pp * dp) or model.num_layers % pp or work.num_prompts % dp:
+            continue
+        cp = gpus // (tp * pp * dp)
+        # expert parallelism: over the TP x CP x DP ranks, dividing the experts
+        eps = [e for e in _divisors(tp * cp * dp) if model.num_experts % e == 0] if model.is_moe else [1]
+        for ep, chunk, recompute, fp8 in itertools.product(eps, CHUNKS, ("none", "full"), (False, True)):
+            if chunk < tp * cp:
+                continue
+            out.append(Layout(tp, cp, pp, dp, chunk, recompute, fp8, ep))
+    return out
+
+
+def evaluate(model: ModelSpec, work: Workload, lay: Layout, gpu: GPUSpec, mfu: float) -> Dict:
+    per_dp = Workload(work.prompt_len, work.rollouts, work.response_len, work.num_prompts // lay.dp)
+    mem = memory_per_gpu(model, per_dp, lay)
+    total = sum(mem.values())
+    t = step_time(model, work, lay, gpu, mfu)
+    return {"layout": asdict(lay), "memory_bytes": mem, "memory_total_bytes": total,
+            "fits": total <= USABLE * gpu.memory_gb * GB, **t}
+
+
+def plan(model: ModelSpec, work: Workload, gpu: GPUSpec, gpus: int, mfu: float = 0.4) -> Dict:
+    """The fastest fitting layout (or, if none fits, the one using least memory)."""
+    if gpus < 1:
+        raise ValueError(f"gpus: must be >= 1, got {gpus}")
+    if not 0 < mfu <= 1:
+        raise ValueError(f"mfu: must be in (0, 1], got {mfu}")
+    options = [evaluate(model, work, lay, gpu, mfu) for lay in candidate_layouts(model, work, gpus)]
+    if not options:
+        raise ValueError(f"gpus: no TP/CP/PP/DP layout of {gpus} GPUs suits {model.name} "
+                         f"({model.num_attention_heads} heads, {model.num_kv_heads} KV heads, "
+                         f"{model.num_layers} layers)")
+    fitting = [o for o in options if o["fits"]]
+    if fitting:
+        best = min(fitting, key=lambda o: (o["seconds"], o["layout"]["pp"], -o["layout"]["chunk_tokens"]))
+        reason = ""
+    else:
+        best = min(options, key=lambda o: o["memory_total_bytes"])
+        reason = (f"does not fit: the leanest layout needs {best['memory_total_bytes'] / GB:.1f} GB per GPU, "
+                  f"{gpu.name} offers {USABLE * gpu.memory_gb:.1f} GB usable; largest part: "
+                  f"{max(best['memory_bytes'], key=best['memory_bytes'].get)}")
+    return {"model": asdict(model), "workload": asdict(work), "gpu": asdict(gpu), "gpus": gpus, "mfu": mfu,
+            "params_total": model.num_params(), "params_active": model.active_params(),
+            "naive_positions": work.naive_positions, "unique_positions": work.unique_positions,
+            "best": best, "fits": bool(fitting), "reason": reason, "layouts_considered": len(options)}
+
+
+def format_plan(result: Dict) -> str:
+    b, lay, gpu = result["best"], result["best"]["layout"], result["gpu"]
+    lines = [
+        f"model {result['model']['name']} on {result['gpus']} x {gpu['name']} ({gpu['memory_gb']:.0f} GB, "
+        f"{gpu['bf16_tflops']:.0f} bf16 / {gpu['fp8_tflops']:.0f} FP8 TFLOPs), MFU assumed {result['mfu']:.0%}",
+        f"workload: {result['workload']['num_prompts']} prompt(s) x {result['workload']['rollouts']} rollouts "
+        f"x ({result['workload']['prompt_len']} prompt + {result['workload']['response_len']} response) = "
+        f"{result['naive_positions']:,} naive / {result['unique_positions']:,} unique positions "
+        f"({result['naive_positions'] / result['unique_positions']:.1f}x)",
+        f"layout: TP={lay['tp']} CP={lay['cp']} PP={lay['pp']} DP={lay['dp']}"
+        f"{' EP=' + str(lay['ep']) if result['model'].get('num_experts') else ''}, chunk {lay['chunk_tokens']} tokens, "
+        f"recompute {lay['recompute']}, FP8 {'on' if lay['fp8'] else 'off'}, streaming exact replay "
+        f"(recompute_stem=True)",
+        "memory per GPU:",
+    ]
+    if result["model"].get("num_experts"):
+        m = result["model"]
+        lines.insert(2, f"MoE: {m['num_experts']} experts, top-{m['experts_per_token']}: "
+                        f"{result['params_total'] / 1e9:.1f}B parameters, {result['params_active'] / 1e9:.1f}B active "
+                        f"per token; experts sharded over EP")
+    for name, value in b["memory_bytes"].items():
+        lines.append(f"  {name:<18s}{value / GB:>9.2f} GB")
+    lines.append(f"  {'total':<18s}{b['memory_total_bytes'] / GB:>9.2f} GB of {USABLE * gpu['memory_gb']:.1f} "
+                 f"usable -> {'FITS' if result['fits'] else 'DOES NOT FIT'}")
+    lines.append(f"compute: {b['flops'] / 1e15:,.1f} PFLOP per step (naive {b['naive_flops'] / 1e15:,.1f}, "
+                 f"{b['naive_flops'] / b['flops']:.1f}x); step {b['seconds']:.1f} s vs naive "
+                 f"{b['naive_seconds']:.1f} s at the same MFU")
+    if result["reason"]:
+        lines.append(result["reason"])
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    if args.validate:
+        from megatron_branch.commands.planner.validate import format_validation, validate_on_cpu
+
+        print(format_validation(validate_on_cpu()))
+        print()
+    if args.hf_config:
+        model = model_from_hf_config(args.hf_config)
+    else:
+        model = MODELS[args.model]
+    if args.naive_positions:
+        if args.naive_positions % args.rollouts:
+            raise SystemExit(f"--naive-positions {args.naive_positions} is not a multiple of --rollouts {args.rollouts}")
+        per = args.naive_positions // args.rollouts
+        work = Workload(per - args.response_len, args.rollouts, args.response_len, args.prompts)
+    else:
+        work = Workload(args.prompt_len, args.rollouts, args.response_len, args.prompts)
+    result = plan(model, work, GPUS[args.gpu], args.gpus, args.mfu)
+    print(format_plan(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0 if result["fits"] else 1
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", choices=sorted(MODELS), default="Llama-3-8B", help="model preset")
+    parser.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json instead of a preset")
+    parser.add_argument("--prompt-len", type=int, default=131072, help="prompt tokens")
+    parser.add_argument("--rollouts", type=int, default=16, help="rollouts per prompt")
+    parser.add_argument("--response-len", type=int, default=3072, help="response tokens per rollout")
+    parser.add_argument("--prompts", type=int, default=1, help="prompts per step")
+    parser.add_argument("--naive-positions", type=int, default=None,
+                        help="total naive positions instead of --prompt-len (prompt = this / rollouts - response)")
+    parser.add_argument("--gpu", choices=sorted(GPUS), default="H20")
+    parser.add_argument("--gpus", type=int, default=8, help="number of GPUs")
+    parser.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed for time")
+    parser.add_argument("--validate", action="store_true", help="check the memory model on CPU runs first")
+    parser.add_argument("--json", metavar="PATH", help="also write the plan as JSON")

@@ -1,0 +1,140 @@
+"""Megatron-LM entry point: ``--spec megatron_branch.integrations.megatron_lm branch_layer_spec``.
+
+Megatron-LM's GPT builder (``gpt_builders.py``, releases ``core_v0.16.1`` to
+``core_v0.19.0``) resolves ``--spec MODULE NAME`` to the object ``NAME`` of ``MODULE`` and
+passes it to ``GPTModel`` as the layer spec, without calling it. ``branch_layer_spec`` is
+therefore a spec that builds itself from Megatron-LM's parsed arguments the first time
+GPTModel reads it: the layer (or, for MoE layer patterns, block) spec Megatron-LM would
+have built without ``--spec`` — ``--normalization``, ``--qk-layernorm``,
+``--num-experts``/``--moe-layer-freq``/``--moe-grouped-gemm``,
+``--transformer-impl``, ... — with tree attention in every layer
+(:func:`megatron_branch.spec.apply_branch_attention`), and for MoE the routers that keep
+naive-batch statistics (:func:`megatron_branch.spec.moe.apply_branch_moe`). Model dimensions (``--kv-channels``
+and the rest) live in the ``TransformerConfig``, which Megatron-LM builds as usual.
+
+Use :func:`branch_spec_from_args` to build the spec yourself (e.g. in a model provider).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from megatron_branch._megatron import ModuleSpec
+from megatron_branch.spec import apply_branch_attention
+
+
+def branch_spec_from_args(args, config=None, vp_stage: Optional[int] = None):
+    """The branch spec for Megatron-LM's parsed ``args``.
+
+    Args:
+        args: Megatron-LM's argument namespace (``megatron.training.get_args()``).
+        config: the model's ``TransformerConfig`` (needed for MoE layer patterns; built
+            from ``args`` with Megatron-LM's ``core_transformer_config_from_args`` if None).
+        vp_stage: the virtual pipeline stage (block specs are per stage).
+
+    Raises:
+        ValueError: options the branch spec cannot honour exactly (multi-latent
+            attention, experimental attention variants, ``--qk-l2-norm``, heterogeneous
+            layers, multi-token prediction, attention dropout, ``--transformer-impl``
+            other than ``local``/``transformer_engine``).
+    """
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    for flag, what in (("multi_latent_attention", "--multi-latent-attention"),
+                       ("experimental_attention_variant", "--experimental-attention-variant"),
+                       ("qk_l2_norm", "--qk-l2-norm"),
+                       ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path"),
+                       # gpt_builder builds MTP layers from Megatron's stock layer specs
+                       ("mtp_num_layers", "--mtp-num-layers")):
+        if getattr(args, flag, None):
+            raise ValueError(f"{what}: not supported by the branch spec")
+    if getattr(args, "transformer_impl", "local") not in ("local", "transformer_engine"):
+        raise ValueError(f"--transformer-impl {args.transformer_impl}: the branch spec builds on the local "
+                         "or transformer_engine layers")
+    if getattr(args, "attention_dropout", 0.0):
+        raise ValueError(f"--attention-dropout: branch replay is exact only without dropout, got "
+                         f"{args.attention_dropout}; pass --attention-dropout 0")
+    use_te = getattr(args, "transformer_impl", "local") == "transformer_engine"
+    if use_te:
+        from megatron_branch._deps import HAVE_TE
+
+        if not HAVE_TE:
+            raise ValueError("--transformer-impl transformer_engine: Transformer Engine is not importable "
+                             "here; pass --transformer-impl local")
+    if getattr(args, "num_experts", None):
+        if config is None:
+            from megatron.training.arguments import core_transformer_config_from_args
+
+            config = core_transformer_config_from_args(args)
+        base = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+                                                normalization=args.normalization, vp_stage=vp_stage)
+    elif use_te:
+        base = specs.get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=args.qk_layernorm, moe_grouped_gemm=getattr(args, "moe_grouped_gemm", False))
+    else:
+        base = specs.get_gpt_layer_local_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm)
+    spec = apply_branch_attention(base)
+    if getattr(args, "num_experts", None):
+        from megatron_branch.spec.moe import apply_branch_moe
+
+        # router statistics weighted by multiplicity (naive-batch aux/z losses and counts)
+        spec = apply_branch_moe(spec)
+    return spec
+
+
+class ArgsBranchSpec(ModuleSpec):
+    """A ``ModuleSpec`` whose ``module``/``params``/``submodules`` are those of
+    :func:`branch_spec_from_args` for Megatron-LM's global arguments, resolved on first use
+    (after Megatron-LM has parsed its arguments and initialised parallel state)."""
+
+    def __init__(self):  # no dataclass fields: everything is resolved lazily
+        object.__setattr__(self, "_resolved", None)
+
+    def _spec(self):
+        if self._resolved is None:
+            try:
+                from megatron.training import get_args
+            except ImportError as exc:
+                raise ImportError(
+                    "branch_layer_spec is built from Megatron-LM's parsed arguments, but megatron.training "
+                    f"is not importable here ({exc}); outside Megatron-LM use get_branch_spec(...) or "
+                    "branch_spec_from_args(args)"
+                ) from exc
+            args = get_args()
+            if getattr(args, "num_experts", None) and getattr(args, "virtual_pipeline_model_parallel_size", None):
+                # One object serves every model chunk, but MoE block specs differ per chunk.
+                raise ValueError(
+                    "--virtual-pipeline-model-parallel-size: with --num-experts the branch spec is per "
+                    "virtual stage; build it in a model provider with branch_spec_from_args(args, config, vp_stage)")
+            spec = branch_spec_from_args(args)
+            if not isinstance(spec, ModuleSpec):  # a block spec (MoE layer pattern)
+                from megatron_branch._megatron import TransformerBlock
+
+                spec = ModuleSpec(module=TransformerBlock, submodules=spec)
+            object.__setattr__(self, "_resolved", spec)
+        return self._resolved
+
+    @property
+    def module(self) -> Any:  # type: ignore[override]
+        return self._spec().module
+
+    @property
+    def params(self) -> dict:  # type: ignore[override]
+        return self._spec().params
+
+    @property
+    def submodules(self) -> Any:  # type: ignore[override]
+        return self._spec().submodules
+
+    def __repr__(self) -> str:
+        return "ArgsBranchSpec(resolved from Megatron-LM's arguments)"
+
+
+branch_layer_spec = ArgsBranchSpec()
+
+
+def get_branch_spec(normalization: str = "RMSNorm", qk_layernorm: bool = False, **kwargs):
+    """The branch layer spec for explicit options (outside Megatron-LM's argument parser)."""
+    from megatron_branch.spec import get_branch_layer_spec
+
+    return get_branch_layer_spec(normalization=normalization, qk_layernorm=qk_layernorm, **kwargs)

@@ -1,0 +1,164 @@
+"""Branch replay inside Megatron's schedules (``get_forward_backward_func``).
+
+A packed tree (or a :class:`~megatron_branch.training.batching.TreeMicroBatch`, whole
+groups of a global batch) is one micro-batch like any other: :func:`make_forward_step`
+returns the ``forward_step_func`` the schedules call, for every pipeline stage, with
+context parallelism (each CP rank runs its work-balanced shard of the tree) and tensor
+parallelism. Megatron-LM's ``pretrain`` takes the same function.
+
+Loss convention (Megatron's ``calculate_per_token_loss=True``): ``loss_fn(lp, ids)``
+returns ``(loss_sum, num_tokens)`` — e.g. ``ppo_policy_loss(..., global_tokens=1.0)[0]``
+and ``mask.sum()`` — and Megatron divides the accumulated gradients by the global token
+count in ``finalize_model_grads``. Micro-batches are whole trees of unequal size, so the
+default per-micro-batch mean would weight tokens differently from one big batch; it is
+refused rather than silently different.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from megatron_branch.cpu import cuda_factories_on_cpu
+from megatron_branch.scoring.vocab import check_model, per_rollout, unwrap
+from megatron_branch.training.batching import TreeMicroBatch
+from megatron_branch.training.ddp import as_chunks
+from megatron_branch.tree import BranchTree
+from megatron_branch.scoring.output_rows import output_rows, scored_tokens
+from megatron_branch.scoring.unit import ChildIndex, UnitRows, prepare_unit, score_unit, unit_multiple
+
+LossFn = Callable[[Tensor, Tensor], Union[Tensor, Tuple[Tensor, Tensor]]]
+MicroBatch = Union[BranchTree, TreeMicroBatch]
+
+
+def as_micro_batch(item: MicroBatch) -> TreeMicroBatch:
+    if isinstance(item, TreeMicroBatch):
+        return item
+    if isinstance(item, BranchTree):
+        return TreeMicroBatch.of(item)
+    raise ValueError(f"data: expected BranchTree or TreeMicroBatch items, got {type(item).__name__}")
+
+
+def padded_length(tree: BranchTree, model) -> int:
+    """The packed length the schedules see for ``tree`` (SP padding included)."""
+    multiple = unit_multiple(unwrap(model).config)
+    return -(-tree.unique_positions // multiple) * multiple
+
+
+def token_count(count, cp_rank: int) -> Tensor:
+    """Megatron's per-micro-batch token count: an int tensor, reported by CP rank 0 only
+    (every CP rank computes the whole tree's loss; Megatron sums counts over DP x CP)."""
+    value = float(count)
+    if value != round(value):
+        raise ValueError(f"loss_fn: num_tokens must be an integer count, got {value}")
+    return torch.tensor(int(round(value)) if cp_rank == 0 else 0, dtype=torch.int)
+
+
+def report(loss: Tensor, tokens: Tensor) -> Tensor:
+    """The ``[loss_sum, num_tokens]`` pair Megatron-LM's ``train_step`` averages over the
+    global token count (its per-token loss reporting)."""
+    return torch.stack([loss.detach().float().reshape(()), tokens.float().reshape(())])
+
+
+def forward_backward(
+    model,
+    data: Sequence[MicroBatch],
+    loss_fn: LossFn,
+    forward_only: bool = False,
+    *,
+    forward_step_func: Optional[Callable] = None,
+    cp_comm_type: str = "allgather",
+):
+    """Run Megatron's schedule (``get_forward_backward_func``) over ``data``, one tree per
+    micro-batch. Returns the schedule's per-micro-batch dicts (last pipeline stage).
+
+    Args:
+        model: a model chunk or Megatron's list of chunks (possibly DDP-wrapped). The
+            config's ``no_sync_func``/``finalize_model_grads_func`` are used as set
+            (:func:`megatron_branch.training.train_step` sets Megatron's).
+        data: :class:`BranchTree` or :class:`TreeMicroBatch` micro-batches.
+        loss_fn: ``(lp [r, width], rollout_ids [r]) -> (loss_sum, num_tokens)``; a bare
+            scalar is accepted only with ``forward_only``.
+        forward_only: no backward (e.g. to collect log-probs).
+        forward_step_func: replaces :func:`make_forward_step` (e.g. the naive truth,
+            :func:`megatron_branch.reference.naive.make_naive_forward_step`).
+        cp_comm_type: context-parallel K/V exchange.
+
+    Returns:
+        One dict per micro-batch: ``{"lm loss": [loss_sum, num_tokens]}`` (a bare loss
+        with ``forward_only`` scalar losses), as Megatron-LM's ``train_step`` reports it.
+
+    On a CPU-only machine the schedule runs inside
+    :func:`megatron_branch.cpu.cuda_factories_on_cpu` (it allocates with ``device="cuda"``).
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    chunks = as_chunks(model)
+    items = [as_micro_batch(x) for x in data]
+    if not items:
+        raise ValueError("data: no micro-batches")
+    config = unwrap(chunks[0]).config
+    if not forward_only and not config.calculate_per_token_loss:
+        raise ValueError(
+            "calculate_per_token_loss: set TransformerConfig(calculate_per_token_loss=True); "
+            "branch-replay micro-batches are whole trees of unequal size and Megatron's "
+            "per-micro-batch mean would weight their tokens differently from one batch"
+        )
+    sizes = {padded_length(x.tree, chunks[0]) for x in items}
+    if len(sizes) > 1 and config.pipeline_model_parallel_size > 1 and not config.variable_seq_lengths:
+        raise ValueError("data: micro-batch trees differ in size; set config.variable_seq_lengths=True")
+    step = forward_step_func or make_forward_step(loss_fn, forward_only, cp_comm_type)
+    with cuda_factories_on_cpu():
+        return get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter(items),
+            model=chunks, num_microbatches=len(items), seq_length=max(sizes), micro_batch_size=1,
+            forward_only=forward_only,
+        )
+
+
+def make_forward_step(loss_fn: LossFn, forward_only: bool = False, cp_comm_type: str = "allgather"):
+    """A ``forward_step_func(data_iterator, model)`` whose iterator yields trees or
+    :class:`TreeMicroBatch`.
+
+    Args:
+        loss_fn: ``(lp [r, width], rollout_ids [r]) -> (loss_sum, num_tokens)`` for one
+            micro-batch (``rollout_ids`` index the global batch); see the module docstring.
+        forward_only: accept bare scalar losses (no gradient is taken).
+        cp_comm_type: context-parallel K/V exchange.
+    """
+    from megatron_branch._megatron import parallel_state
+
+    def forward_step(data_iterator, model):
+        item = as_micro_batch(next(data_iterator))
+        tree = item.tree
+        check_model(model, tree)
+        n = tree.unique_positions
+        params, ids = prepare_unit(model, tree, 0, n, cp_comm_type=cp_comm_type)
+        children = ChildIndex(tree)
+        scored = None if item.score_mask is None else scored_tokens(tree, item.score_mask[:, : tree.max_len - 1])
+        rows = UnitRows(tree, 0, n, params, children, scored)
+        with output_rows(model, rows.rows):
+            output = model(ids.unsqueeze(0), params.positions.unsqueeze(0), attention_mask=None,
+                           packed_seq_params=params)
+
+        def loss_func(output_tensor: Tensor):
+            # [1, u, V/tp] on the last stage: the scored tokens' parents
+            idx, lp_child, _ = score_unit(output_tensor[0], tree, 0, n, params, children, unit_rows=rows,
+                                          scored=scored)
+            lp = lp_child.new_zeros(n).index_put((idx.to(lp_child.device),), lp_child)
+            ids_r = torch.arange(tree.num_rollouts)
+            out = loss_fn(item.pad(per_rollout(lp, tree)), item.rollouts[ids_r])
+            loss, count = (out[0], out[1]) if isinstance(out, (tuple, list)) else (out, None)
+            if count is None:
+                if not forward_only:
+                    raise ValueError("loss_fn: must return (loss_sum, num_tokens) for training")
+                return loss, {"lm loss": loss.detach().float().reshape(1)}
+            cp_rank = parallel_state.get_context_parallel_rank()
+            tokens = token_count(count, cp_rank)
+            return loss, tokens, {"lm loss": report(loss, tokens)}
+
+        return output, loss_func
+
+    return forward_step
