@@ -27,7 +27,7 @@ _EXPORTS = {
     "enable_cpu": "megatron_branch.cpu",
     "get_branch_layer_spec": "megatron_branch.spec",
     "is_branch_model": "megatron_branch.spec",
-    "prefix_grad_bias": "megatron_branch.replay",
+    "prefix_grad_bias": "megatron_branch.reference.bias",
     "replay_logprobs": "megatron_branch.replay",
     "replay_step": "megatron_branch.replay",
     "rollout_logprobs": "megatron_branch.scoring.logprobs",

@@ -10,7 +10,11 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -136,7 +140,9 @@ __all__ = [
     "TransformerLayerSubmodules",
     "clear_moe_logged_metrics",
     "compute_routing_scores_for_aux_loss",
+    "get_gpt_decoder_block_spec",
     "get_gpt_layer_local_spec",
+    "get_gpt_layer_with_transformer_engine_spec",
     "moe_logged_metrics",
     "parallel_state",
     "record_moe_metric",

@@ -4,8 +4,8 @@ Every command fails cleanly: bad flags, missing or corrupt input files and unwri
 output targets are reported before any heavy work as one line naming the flag or file
 and what to do, with exit code 2 (``plan`` exits 1 when the workload does not fit).
 Other failures print one line and exit 1. ``--debug`` (before or after the command, or
-``$MEGATRON_BRANCH_DEBUG=1``) adds the traceback. The file checks live in
-:mod:`megatron_branch.commands.preflight`, shared with ``tools/convert_checkpoint.py``.
+``$MEGATRON_BRANCH_DEBUG=1``) adds the traceback. The target checks live in
+:mod:`megatron_branch.atomic`, shared with ``tools/convert_checkpoint.py``.
 """
 
 from __future__ import annotations
@@ -14,31 +14,35 @@ import argparse
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import importlib
+
+from megatron_branch.atomic import check_output_dir, check_output_file
 from megatron_branch.commands.preflight import OneLineParser as _Parser
-from megatron_branch.commands.preflight import check_input_json, check_output_dir, check_output_file
 from megatron_branch.commands.preflight import quiet_megatron_warnings
+from megatron_branch.distributed import run_main
+from megatron_branch.hf.io import check_input_json
 
 # megatron-core warns about Apex/TE fallbacks when imported on CPU; they are expected here.
 quiet_megatron_warnings()
 
-from megatron_branch.commands import demo  # noqa: E402
-from megatron_branch.commands.bench import cp as bench_cp  # noqa: E402
-from megatron_branch.commands.bench import run as bench_run  # noqa: E402
-from megatron_branch.commands.bench import scale as bench_scale  # noqa: E402
-from megatron_branch.distributed import run_main  # noqa: E402
-from megatron_branch.commands.planner import plan as planner  # noqa: E402
-from megatron_branch.commands import study  # noqa: E402
-
 PROG = "megatron-branch"
 
-# (name, module with add_arguments/main and a docstring, one-line help)
+# (name, module with add_arguments/main and a docstring, one-line help). A command's module
+# is imported only when that command runs (or shows its --help): each pulls in its own
+# dependencies (megatron-core, matplotlib, transformers), which the others do not need.
 COMMANDS = (
-    ("demo", demo, "naive vs branch replay on a small Llama-style model (timing and exactness)"),
-    ("bench", bench_run, "branch replay vs naive and peer methods: time, FLOPs, memory, exactness"),
-    ("bench-cp", bench_cp, "context-parallel replay on CPU processes: balance, time, bytes sent"),
-    ("bench-scale", bench_scale, "the headline workload scaled down: measured per-rank memory vs the planner"),
-    ("plan", planner, "choose TP/CP/PP, chunk, recompute and FP8 for a workload on a cluster"),
-    ("study", study, "convergence and wall-clock of naive, exact and tail-only GRPO/PPO/DPO training"),
+    ("demo", "megatron_branch.commands.demo",
+     "naive vs branch replay on a small Llama-style model (timing and exactness)"),
+    ("bench", "megatron_branch.commands.bench.run",
+     "branch replay vs naive and peer methods: time, FLOPs, memory, exactness"),
+    ("bench-cp", "megatron_branch.commands.bench.cp",
+     "context-parallel replay on CPU processes: balance, time, bytes sent"),
+    ("bench-scale", "megatron_branch.commands.bench.scale",
+     "the headline workload scaled down: measured per-rank memory vs the planner"),
+    ("plan", "megatron_branch.commands.planner.plan",
+     "choose TP/CP/PP, chunk, recompute and FP8 for a workload on a cluster"),
+    ("study", "megatron_branch.commands.study",
+     "convergence and wall-clock of naive, exact and tail-only GRPO/PPO/DPO training"),
 )
 
 # What each command reads and writes, checked before it runs (argument dest, kind).
@@ -64,7 +68,8 @@ POSITIVE: Dict[str, Tuple[str, ...]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
+    """The CLI's parser; only ``command``'s own arguments are added (its module imported)."""
     parser = _Parser(
         prog=PROG,
         description=(
@@ -75,7 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--debug", action="store_true", help="print the traceback of a failure")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module, help_text in COMMANDS:
+    for name, module_name, help_text in COMMANDS:
+        if name != command:
+            sub.add_parser(name, help=help_text)
+            continue
+        module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=help_text, description=module.__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
@@ -130,7 +139,7 @@ def _command_of(argv: Sequence[str]) -> Optional[str]:
 
 
 def _main(argv: Optional[List[str]] = None) -> int:
-    parser = build_parser()
+    parser = build_parser(_command_of(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

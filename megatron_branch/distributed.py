@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_branch._megatron import parallel_state
+from megatron_branch.layout import ParallelLayout, check_sizes
 
 DEFAULT_TIMEOUT_S = 600.0
 TIMEOUT_ENV = "MEGATRON_BRANCH_TIMEOUT"
@@ -99,20 +100,12 @@ def init_distributed(
             dist.init_process_group(backend, timeout=delta)
         else:  # one process: an in-memory store, no port to collide on
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=delta)
-    world = dist.get_world_size()
-    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
-    if world % model_parallel:
-        raise ValueError(
-            f"tensor/pipeline/context parallel sizes {tensor_model_parallel_size}x"
-            f"{pipeline_model_parallel_size}x{context_parallel_size} do not divide world size {world}"
-        )
+    check_sizes(dist.get_world_size(), tensor_model_parallel_size, pipeline_model_parallel_size,
+                context_parallel_size)
     if parallel_state.model_parallel_is_initialized():
-        same = (
-            parallel_state.get_tensor_model_parallel_world_size() == tensor_model_parallel_size
-            and parallel_state.get_pipeline_model_parallel_world_size() == pipeline_model_parallel_size
-            and parallel_state.get_context_parallel_world_size() == context_parallel_size
-        )
-        if same:
+        now = ParallelLayout.current()
+        if (now.tp, now.pp, now.cp) == (tensor_model_parallel_size, pipeline_model_parallel_size,
+                                        context_parallel_size):
             return
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(

@@ -1,35 +1,37 @@
-"""Full (unsharded) weights and gradients across TP and PP, under stock Megatron names.
+"""Full (unsharded) weights and gradients across TP, PP and EP, under stock Megatron names.
 
-:func:`full_state` / :func:`load_full_state` join TP shards and renumber pipeline
-stages' layers globally, identical whatever the layout; used by the example's
+:func:`full_state` / :func:`load_full_state` join tensor-parallel shards, renumber
+pipeline stages' layers globally and number experts globally
+(``local_experts.{ep_rank * local + i}``, joined over expert-TP), so the result is the
+same whatever the layout; used by the HF conversion, the example's
 ``--dump-grads``/``--dump-params`` and to start parallel runs from one set of weights.
 Gradients are read from Megatron DDP's ``main_grad`` when the model is wrapped (after
 ``finalize_model_grads`` every rank holds the reduced gradient of its shard).
-Gradient reduction itself is Megatron's ``finalize_model_grads``
-(:mod:`megatron_branch.training`).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_branch._megatron import parallel_state
-from megatron_branch.scoring.vocab import unwrap
-from megatron_branch.training.ddp import param_grad
+from megatron_branch.layout import ParallelLayout
+from megatron_branch.model import param_grad, unwrap
 
 _LAYER = re.compile(r"^(.*decoder\.layers\.)(\d+)(\..*)$")
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+_GROUPED_EXPERT = re.compile(r"\.(weight|bias)\d+$")
+EMBEDDING = "embedding.word_embeddings.weight"
 
 
 def _size(group) -> int:
     return dist.get_world_size(group) if group is not None else 1
 
 
-def _global_name(model, name: str) -> str:
+def global_name(model, name: str) -> str:
     """``decoder.layers.{local}.`` -> ``decoder.layers.{global}.`` (pipeline stages)."""
     m = _LAYER.match(name)
     if not m:
@@ -38,7 +40,9 @@ def _global_name(model, name: str) -> str:
     return f"{m.group(1)}{layer.layer_number - 1}{m.group(3)}"
 
 
-_EMBEDDING = "embedding.word_embeddings.weight"
+def _global_expert_name(name: str, ep_rank: int, num_local: int) -> str:
+    m = _LOCAL_EXPERT.match(name)
+    return f"{m.group(1)}{ep_rank * num_local + int(m.group(2))}{m.group(3)}"
 
 
 def _tied_copy(name: str, param) -> bool:
@@ -48,7 +52,7 @@ def _tied_copy(name: str, param) -> bool:
 
 
 def _is_gated_fc1(name: str, config) -> bool:
-    return config.gated_linear_unit and name.endswith("mlp.linear_fc1.weight")
+    return config.gated_linear_unit and name.endswith("linear_fc1.weight")
 
 
 def _join_tp(name: str, local: Tensor, param, config, group) -> Tensor:
@@ -73,32 +77,52 @@ def _split_tp(name: str, full: Tensor, param, config, group) -> Tensor:
     return full.chunk(size, dim=dim)[rank]
 
 
+def _num_local_experts(config, layout: ParallelLayout) -> int:
+    return (getattr(config, "num_moe_experts", None) or 0) // layout.ep
+
+
 def full_state(model, which: str = "grad") -> Dict[str, Tensor]:
     """Every parameter (``which="param"``) or gradient (``"grad"``), unsharded, under
     stock Megatron names, on every rank (float32 CPU tensors).
 
-    Collective over the tensor- and pipeline-parallel groups.
+    Collective over the tensor-, pipeline-, expert- and expert-tensor-parallel groups.
+    Sequential experts only (``moe_grouped_gemm=False``).
+
+    Raises:
+        ValueError: ``which`` is neither ``"grad"`` nor ``"param"``, or grouped expert weights.
     """
-    config = unwrap(model).config
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-
-    def pick(p):
-        if which == "param":
-            return p.data
-        grad = param_grad(p)
-        return grad if grad is not None else torch.zeros_like(p)
-
-    mine = {}
-    for name, p in unwrap(model).named_parameters():
+    if which not in ("grad", "param"):
+        raise ValueError(f"which: {which!r} is not 'grad' or 'param'")
+    gpt = unwrap(model)
+    config = gpt.config
+    layout = ParallelLayout.current()
+    num_local = _num_local_experts(config, layout)
+    mine: Dict[str, Tensor] = {}
+    experts: Dict[str, Tensor] = {}
+    for name, p in gpt.named_parameters():
         if _tied_copy(name, p):
             continue
-        local = _join_tp(name, pick(p).detach(), p, config, tp_group)
-        mine[_global_name(model, name)] = local.to("cpu", torch.float32, copy=True)  # never a view of a live buffer
-    pp_group = parallel_state.get_pipeline_model_parallel_group()
-    if _size(pp_group) == 1:
+        grad = param_grad(p)
+        value = (p.data if which == "param" else grad if grad is not None else torch.zeros_like(p)).detach()
+        if _LOCAL_EXPERT.match(name):
+            if _GROUPED_EXPERT.search(name):
+                raise ValueError(f"{name}: grouped expert weights are not supported (use moe_grouped_gemm=False)")
+            value = _join_tp(name, value, p, config, layout.etp_group)
+            key = _global_expert_name(global_name(model, name), layout.ep_rank, num_local)
+            experts[key] = value.to("cpu", torch.float32, copy=True)
+        else:
+            value = _join_tp(name, value, p, config, layout.tp_group)
+            mine[global_name(model, name)] = value.to("cpu", torch.float32, copy=True)  # never a view of a live buffer
+    if layout.ep > 1 and experts:
+        parts = [None] * layout.ep
+        dist.all_gather_object(parts, experts, group=layout.ep_group)
+        for part in parts:
+            experts.update(part)
+    mine.update(experts)
+    if layout.pp == 1:
         return mine
-    stages = [None] * _size(pp_group)
-    dist.all_gather_object(stages, mine, group=pp_group)
+    stages = [None] * layout.pp
+    dist.all_gather_object(stages, mine, group=layout.pp_group)
     out: Dict[str, Tensor] = {}
     for stage in stages:
         out.update(stage)
@@ -106,32 +130,26 @@ def full_state(model, which: str = "grad") -> Dict[str, Tensor]:
 
 
 def load_full_state(model, state: Dict[str, Tensor]) -> None:
-    """Load stock-named, unsharded weights into a (TP/PP-)sharded model.
+    """Load stock-named, unsharded weights into a (TP/PP/EP-)sharded model: each rank
+    takes its own slice, its own stage's layers and its own experts.
 
     Raises:
         ValueError: a parameter is missing from ``state`` or has the wrong shape.
     """
-    config = unwrap(model).config
-    tp_group = parallel_state.get_tensor_model_parallel_group()
+    gpt = unwrap(model)
+    config = gpt.config
+    layout = ParallelLayout.current()
+    num_local = _num_local_experts(config, layout)
     with torch.no_grad():
-        for name, p in unwrap(model).named_parameters():
-            key = _EMBEDDING if _tied_copy(name, p) else _global_name(model, name)
+        for name, p in gpt.named_parameters():
+            key = EMBEDDING if _tied_copy(name, p) else global_name(model, name)
+            expert = _LOCAL_EXPERT.match(name) is not None
+            if expert:
+                key = _global_expert_name(key, layout.ep_rank, num_local)
             if key not in state:
                 raise ValueError(f"state: missing parameter {key!r}")
-            local = _split_tp(name, state[key], p, config, tp_group)
+            local = _split_tp(name, state[key], p, config, layout.etp_group if expert else layout.tp_group)
             if local.shape != p.shape:
                 raise ValueError(f"state: {key!r} has shape {tuple(local.shape)} on this rank, "
                                  f"expected {tuple(p.shape)}")
             p.copy_(local)
-
-
-def parallel_sizes() -> Optional[Dict[str, int]]:
-    """The current TP/CP/PP/DP sizes (None before Megatron is initialised)."""
-    if not parallel_state.model_parallel_is_initialized():
-        return None
-    return {
-        "tp": parallel_state.get_tensor_model_parallel_world_size(),
-        "cp": parallel_state.get_context_parallel_world_size(),
-        "pp": parallel_state.get_pipeline_model_parallel_world_size(),
-        "dp": parallel_state.get_data_parallel_world_size(),
-    }

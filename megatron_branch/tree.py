@@ -343,6 +343,15 @@ class BranchTree:
         """Largest depth (RoPE position) in the tree."""
         return int(self.positions.max())
 
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ``ValueError`` naming the first rollout with a token id ``>= vocab_size``."""
+        if not self.unique_positions or int(self.tokens.max()) < vocab_size:
+            return
+        bad = int(self.tokens.max())
+        packed = int((self.tokens == bad).nonzero()[0])
+        rollout = int((self.rows == packed).any(1).nonzero()[0])
+        raise ValueError(f"rollout {rollout}: tokens contains id {bad} outside the vocabulary of size {vocab_size}")
+
     def sequence(self, r: int) -> torch.Tensor:
         """Token ids of rollout ``r`` (reconstructed from the packed tree)."""
         return self.tokens[self.rows[r, : int(self.lengths[r])]]

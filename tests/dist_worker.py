@@ -157,11 +157,13 @@ def build_moe(tp=1, ep=1, sp=False):
 
 
 def run_moe_case(model, name, chunk):
-    """One MoE replay step on a Megatron-DDP-wrapped model (``megatron_branch.spec.moe.replay_step``) reduced by Megatron's
+    """One MoE replay step on a Megatron-DDP-wrapped model (``megatron_branch.replay_step``) reduced by Megatron's
     ``finalize_model_grads``; returns unsharded gradients (experts numbered globally), the
     log-probs, Megatron's logged router losses and the per-expert token counts, the last
     two summed over TP x CP (the z-loss averaged), as Megatron's report reduces them."""
+    import megatron_branch as mb
     from megatron_branch import rollout_logprobs
+    from megatron_branch.full_state import full_state
     from megatron_branch.spec import moe
     from megatron_branch._megatron import (clear_moe_logged_metrics, finalize_model_grads, moe_logged_metrics,
                                            parallel_state)
@@ -172,7 +174,7 @@ def run_moe_case(model, name, chunk):
     model.zero_grad_buffer()
     clear_moe_logged_metrics()
     moe.tokens_per_expert(model, reset=True)
-    moe.replay_step(model, tree, loss_fn, max_chunk_tokens=chunk)
+    mb.replay_step(model, tree, loss_fn, max_chunk_tokens=chunk)
     logged = {k: v.clone() for k, v in moe_logged_metrics().items() if v.abs().sum() > 0}
     counts = moe.tokens_per_expert(model, reset=True)
     with torch.no_grad():
@@ -186,15 +188,15 @@ def run_moe_case(model, name, chunk):
             dist.all_reduce(values, group=group)
             if name_ == "z_loss":
                 values /= dist.get_world_size(group)
-    return {"grads": moe.full_state(model, "grad"), "lp": lp, "logged": logged, "counts": counts}
+    return {"grads": full_state(model, "grad"), "lp": lp, "logged": logged, "counts": counts}
 
 
 def moe_worker(rank, world, port, layout, cases, weights, out_dir):
     warnings.filterwarnings("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import megatron_branch as mb
-    from megatron_branch.spec import moe
     from megatron_branch._megatron import MoEAuxLossAutoScaler, parallel_state
+    from megatron_branch.full_state import load_full_state
     from megatron_branch.training import wrap_ddp
 
     mb.enable_cpu()
@@ -205,7 +207,7 @@ def moe_worker(rank, world, port, layout, cases, weights, out_dir):
             expert_tensor_parallel_size=1)
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
         model = build_moe(layout["tp"], layout["ep"], layout.get("sp", False))
-        moe.load_full_state(model, torch.load(weights))
+        load_full_state(model, torch.load(weights))
         model = wrap_ddp(model)
         dp_rank = parallel_state.get_data_parallel_rank()
         results = {}

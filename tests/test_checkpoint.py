@@ -124,7 +124,7 @@ def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path):
         save_checkpoint(str(tmp_path), 2, [ddp], opt, before_commit=crash)
     assert latest_iteration(str(tmp_path)) == 1
     leftovers = [n for n in os.listdir(tmp_path) if ".tmp-" in n]
-    assert len(leftovers) == 1 and leftovers[0].startswith("iter_0000002.tmp-")
+    assert len(leftovers) == 1 and leftovers[0].startswith(".iter_0000002.tmp-")
     fresh, opt_f = build(seed=1)
     loaded = load_checkpoint(str(tmp_path), [fresh], opt_f)
     assert loaded.iteration == 1 and loaded.removed_temp == leftovers
@@ -170,7 +170,7 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert (ckpt / "latest").read_text().strip() == "1"
-    assert any(n.startswith("iter_0000002.tmp-") for n in os.listdir(ckpt))
+    assert any(n.startswith(".iter_0000002.tmp-") for n in os.listdir(ckpt))
     resume = [sys.executable, TRAIN, "--steps", "2", "--save", str(ckpt), "--load", str(ckpt), "--check-finite"]
     proc = subprocess.run(resume, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]

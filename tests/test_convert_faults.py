@@ -35,6 +35,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from megatron_branch.atomic import host_tag
 from megatron_branch.hf import io as hf_io
 from megatron_branch.hf.convert import FAULT_ENV, load_megatron
 
@@ -284,7 +285,7 @@ def test_only_our_dead_runs_temp_dirs_are_cleaned(tmp_path):
     """Named like atomic_dir's: a dead owner's partial output is removed and a previous
     target it had moved aside is put back; a live owner's directory (this process) and
     directories not named by atomic_dir are left alone."""
-    host, dead, me = hf_io._host_tag(), _dead_pid(), os.getpid()
+    host, dead, me = host_tag(), _dead_pid(), os.getpid()
     start = int(psutil.Process().create_time())
     names = {
         "dead_tmp": f".mg.tmp-{dead}-1-{host}-abc123xy",

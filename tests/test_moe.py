@@ -2,7 +2,7 @@
 
 fp32; log-probs within 1e-5 and every parameter gradient (router included) within 1e-5
 relative, with the load-balancing and z losses on; Megatron's logged router losses and
-the per-expert token counts equal too. The naive batch is :func:`megatron_branch.spec.moe.naive_moe_logprobs`
+the per-expert token counts equal too. The naive batch is :func:`megatron_branch.spec.naive_moe_logprobs`
 (right-padded, Megatron's MoE padding mask, so padding is not counted).
 """
 
@@ -23,7 +23,13 @@ from megatron_branch.distributed import free_port
 from megatron_branch.spec.builders import build_gpt, llama_config
 from megatron_branch.spec import apply_branch_attention
 from megatron_branch.commands.synthetic import branching_rollouts
+from megatron_branch.full_state import full_state
 from megatron_branch.reference.agreement import compare_grads, grads
+from megatron_branch.reference.bias import token_dropping_bias
+from megatron_branch.reference.naive import naive_moe_logprobs
+from megatron_branch.replay.plan import plan_replay
+from megatron_branch.replay.routing import needs_routing_statistics
+from megatron_branch.scoring.unit import forward_unit
 
 import dist_worker
 
@@ -83,7 +89,7 @@ def run_naive(stock, seqs, loss_fn):
     hooks = [m.register_forward_hook(lambda mod, a, out: counts.append(out[1][valid].sum(0).double()))
              for m in stock.modules() if isinstance(m, TopKRouter)]
     try:
-        lp = moe.naive_moe_logprobs(stock, seqs)
+        lp = naive_moe_logprobs(stock, seqs)
     finally:
         for h in hooks:
             h.remove()
@@ -143,7 +149,7 @@ def test_streaming_replay_matches_naive_batch(recompute_stem):
     branch, stock = make_pair(**LOSSES["all_three"])
 
     def stream(model, tree, loss_fn):
-        stats = moe.replay_step(model, tree, loss_fn, max_chunk_tokens=10, recompute_stem=recompute_stem)
+        stats = mb.replay_step(model, tree, loss_fn, max_chunk_tokens=10, recompute_stem=recompute_stem)
         assert stats.num_stems > 1 and stats.num_chunks > 1
         return None
 
@@ -160,7 +166,7 @@ def test_activation_recompute_replays_the_same_statistics(recompute):
                               moe_aux_loss_coeff=[0.01, 0.02], **extra)
 
     def stream(model, tree, loss_fn):
-        moe.replay_step(model, tree, loss_fn, max_chunk_tokens=12)
+        mb.replay_step(model, tree, loss_fn, max_chunk_tokens=12)
 
     check(branch, stock, seqs, stream)
 
@@ -169,29 +175,29 @@ def test_statistics_collected_with_the_old_logprobs_are_reused():
     seqs = ragged()
     branch, stock = make_pair(moe_router_load_balancing_type="seq_aux_loss")
     tree = mb.BranchTree.from_sequences(seqs)
-    stats, old_lp = moe.collect_routing_statistics(branch, tree, max_chunk_tokens=10)
+    stats, old_lp = mb.replay.collect_routing_statistics(branch, tree, max_chunk_tokens=10)
     assert torch.allclose(old_lp, mb.replay_logprobs(branch, tree), atol=1e-6)
 
     def stream(model, tree, loss_fn):
-        with moe.routing_statistics(model, stats):
-            mb.replay_step(model, tree, loss_fn, max_chunk_tokens=10)
+        mb.replay_step(model, tree, loss_fn, max_chunk_tokens=10, routing_statistics=stats)
 
     check(branch, stock, seqs, stream, tree)
 
 
-def test_streaming_without_statistics_is_refused():
+def test_partial_forwards_without_statistics_are_refused():
     branch, _ = make_pair()
     tree = mb.BranchTree.from_sequences(equal_lengths())
-    with pytest.raises(ValueError, match="streaming replay.*megatron_branch.spec.moe.replay_step"):
-        mb.replay_step(branch, tree, loss_fn_for(equal_lengths()), max_chunk_tokens=10)
+    # a forward of part of the tree with an aux loss, outside replay_step (which collects them)
+    with pytest.raises(ValueError, match="streaming replay.*megatron_branch.replay_step"):
+        forward_unit(branch, tree, 0, tree.unique_positions // 2)
     other = mb.BranchTree.from_sequences(ragged())
-    stats, _ = moe.collect_routing_statistics(branch, other, max_chunk_tokens=10)
-    with moe.routing_statistics(branch, stats), pytest.raises(ValueError, match="another tree"):
-        mb.replay_step(branch, tree, loss_fn_for(equal_lengths()), max_chunk_tokens=10)
+    stats, _ = mb.replay.collect_routing_statistics(branch, other, max_chunk_tokens=10)
+    with pytest.raises(ValueError, match="another tree"):
+        mb.replay_step(branch, tree, loss_fn_for(equal_lengths()), max_chunk_tokens=10, routing_statistics=stats)
     # z-loss and counts need no statistics; forward-only replay needs none
     branch, _ = make_pair(moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
     mb.replay_step(branch, tree, loss_fn_for(equal_lengths()), max_chunk_tokens=10)
-    assert not moe.needs_routing_statistics(branch, tree, 10)
+    assert not needs_routing_statistics(branch, plan_replay(tree, 10))
 
 
 def test_expert_bias_counts_for_aux_loss_free_balancing():
@@ -207,7 +213,7 @@ def test_expert_bias_counts_for_aux_loss_free_balancing():
         router.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.1, 0.0]))
 
     def stream(model, tree, loss_fn):
-        moe.replay_step(model, tree, loss_fn, max_chunk_tokens=10, recompute_stem=True)
+        mb.replay_step(model, tree, loss_fn, max_chunk_tokens=10, recompute_stem=True)
 
     check(branch, stock, seqs, stream)
     got = torch.stack([r.local_tokens_per_expert for r in moe.routers(branch)])
@@ -220,7 +226,7 @@ def test_per_token_loss_scaling_matches_naive():
     branch, stock = make_pair(calculate_per_token_loss=True, **LOSSES["all_three"])
 
     def stream(model, tree, loss_fn):
-        moe.replay_step(model, tree, loss_fn, max_chunk_tokens=10)
+        mb.replay_step(model, tree, loss_fn, max_chunk_tokens=10)
 
     check(branch, stock, seqs, stream)
 
@@ -276,7 +282,7 @@ def test_token_dropping_is_refused_unless_approximate():
     stock = build_gpt(config, VOCAB, branch=False, spec_kwargs=SPEC)
     stock.load_state_dict(branch.state_dict())
     seqs = equal_lengths()
-    report = moe.token_dropping_bias(branch, stock, seqs, loss_fn_for(seqs))
+    report = token_dropping_bias(branch, stock, seqs, loss_fn_for(seqs))
     assert set(report) == {"max_abs_logprob_diff", "loss_rel_diff", "grad_cosine", "grad_rel_error",
                            "dropped_tree", "dropped_naive"}
     assert report["dropped_naive"] > 0 and report["max_abs_logprob_diff"] > 1e-4  # the bias is real
@@ -297,7 +303,7 @@ def test_plain_batches_keep_stock_statistics():
     seqs = ragged()
     branch, stock = make_pair(**LOSSES["all_three"])
     loss_fn = loss_fn_for(seqs)
-    loss_fn(moe.naive_moe_logprobs(branch, seqs)).backward()
+    loss_fn(naive_moe_logprobs(branch, seqs)).backward()
     logged = {k: v.clone() for k, v in moe_logged_metrics().items() if v.abs().sum() > 0}
     _, logged_ref, _ = run_naive(stock, seqs, loss_fn)
     assert max(compare_grads(grads(branch), grads(stock)).values()) < TOL
@@ -313,7 +319,7 @@ def ep_reference(tmp_path_factory):
     from megatron_branch.training import wrap_ddp
 
     model = dist_worker.build_moe()
-    torch.save(moe.full_state(model, "param"), path)
+    torch.save(full_state(model, "param"), path)
     model = wrap_ddp(model)
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     return path, {name: dist_worker.run_moe_case(model, name, None) for name in dist_worker.MOE_TREES}

@@ -6,7 +6,8 @@ import torch
 import megatron_branch as mb
 from megatron_branch import losses
 from megatron_branch.reference.naive import naive_rollout_logprobs
-from megatron_branch.replay import plan_replay, prefix_grad_bias, replay_logprobs, replay_step
+from megatron_branch.reference.bias import prefix_grad_bias
+from megatron_branch.replay import plan_replay, replay_logprobs, replay_step
 from megatron_branch.replay.plan import last_token
 from megatron_branch.commands.synthetic import branching_rollouts
 from megatron_branch.reference.agreement import compare_grads, grads

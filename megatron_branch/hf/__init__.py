@@ -13,24 +13,25 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor
 
+from megatron_branch.full_state import full_state, load_full_state
 from megatron_branch.hf.io import read_config, read_weights
+from megatron_branch.layout import ParallelLayout
+from megatron_branch.spec.builders import build_gpt, llama_config
 from megatron_branch.hf.mapping import hf_to_megatron, megatron_args_from_hf, megatron_to_hf, num_experts
 
 
 def build_from_hf_config(hf_cfg: dict, params_dtype: torch.dtype = torch.float32, spec_kwargs: Optional[dict] = None,
                          **config_overrides):
     """``(GPTModel, TransformerConfig)`` with the branch spec for a HF config dict (random weights)."""
-    from megatron_branch._megatron import parallel_state
-    from megatron_branch.spec.builders import build_gpt, llama_config
-
     config_kwargs, model_kwargs = megatron_args_from_hf(hf_cfg)
     config_kwargs.update(config_overrides)
     if num_experts(hf_cfg):  # Megatron's MoE layer with sequential experts, branch statistics
         spec_kwargs = {"num_experts": num_experts(hf_cfg), "moe_grouped_gemm": False, **(spec_kwargs or {})}
     config = llama_config(params_dtype=params_dtype, **config_kwargs)
-    if parallel_state.model_parallel_is_initialized():
-        model_kwargs.setdefault("pre_process", parallel_state.is_pipeline_first_stage())
-        model_kwargs.setdefault("post_process", parallel_state.is_pipeline_last_stage())
+    layout = ParallelLayout.current()
+    if layout.initialized:
+        model_kwargs.setdefault("pre_process", layout.first_stage)
+        model_kwargs.setdefault("post_process", layout.last_stage)
     vocab = model_kwargs.pop("vocab_size")
     max_len = model_kwargs.pop("max_sequence_length")
     model = build_gpt(config, vocab, max_sequence_length=max_len, spec_kwargs=spec_kwargs, **model_kwargs)
@@ -53,24 +54,13 @@ def load_gpt_from_hf(hf_dir: str, params_dtype: torch.dtype = torch.float32, **s
 
 
 def load_state(model, state: Dict[str, Tensor]) -> None:
-    """Load unsharded stock-named weights on any TP/PP (and, for MoE, EP) layout."""
-    from megatron_branch.scoring.vocab import unwrap
-
-    if getattr(unwrap(model).config, "num_moe_experts", None):
-        from megatron_branch.spec.moe import load_full_state
-    else:
-        from megatron_branch.full_state import load_full_state
+    """Load unsharded stock-named weights on any TP/PP/EP layout (:func:`megatron_branch.full_state.load_full_state`)."""
     load_full_state(model, state)
 
 
 def model_state(model, which: str = "param") -> Dict[str, Tensor]:
-    """Unsharded stock-named weights (or grads) of a live model (collective; EP-aware for MoE)."""
-    from megatron_branch.scoring.vocab import unwrap
-
-    if getattr(unwrap(model).config, "num_moe_experts", None):
-        from megatron_branch.spec.moe import full_state
-    else:
-        from megatron_branch.full_state import full_state
+    """Unsharded stock-named weights (or grads) of a live model (collective over TP, PP and EP;
+    :func:`megatron_branch.full_state.full_state`)."""
     return full_state(model, which)
 
 

@@ -10,7 +10,7 @@ Failing cleanly, losing nothing: inputs (``config.json``, the safetensors header
 Megatron checkpoint's files) and the target are checked before the model is built or a
 weight is read, and bad input raises ``ValueError``/``OSError`` with one line naming the
 file (a tensor's file for a missing or misshapen tensor). Both write into a temporary
-directory renamed at the end (:func:`megatron_branch.hf.io.atomic_dir`); leftovers of a
+directory renamed at the end (:func:`megatron_branch.atomic.atomic_dir`); leftovers of a
 killed run are removed by the next one. The distributed checkpoint is written by this
 process (:func:`megatron_branch.training.checkpoint.save_sharded`), so a killed
 conversion leaves no writer process behind.
@@ -26,7 +26,8 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from megatron_branch.hf.io import atomic_dir, check_config, check_target, read_config, read_weights, write_weights
+from megatron_branch.atomic import atomic_dir
+from megatron_branch.hf.io import check_config, check_target, read_config, read_weights, write_weights
 from megatron_branch.hf.mapping import TensorError, hf_to_megatron, megatron_args_from_hf
 
 ARGS_FILE = "model_args.json"

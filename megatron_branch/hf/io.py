@@ -7,35 +7,38 @@ a missing or invalid ``config.json`` (missing fields, unsupported architecture),
 truncated or corrupt safetensors file, a corrupt index or a shard it names that is
 missing.
 
-Output directories are written under a temporary name next to the target,
-``.NAME.tmp-<pid>-<start>-<host>-<random>``, and renamed at the end (:func:`atomic_dir`),
-so a failure never leaves a half-written checkpoint under the target name. The name
-records the writing process (pid, start time, host), so :func:`remove_stale_temp_dirs`
-can tell a leftover of a killed run — ours, and its process gone — from the work of a
-conversion still running. Replacing an existing target (``--overwrite``) moves it aside
-to ``.NAME.old-...`` first; if a run is killed between that move and the rename, the next
-run puts the old directory back.
+Output directories are written atomically with the package's one convention
+(:mod:`megatron_branch.atomic`): under ``.NAME.tmp-<pid>-<start>-<host>-<random>`` next to
+the target, renamed at the end, so a failure never leaves a half-written checkpoint under
+the target name; :func:`check_target` first removes the leftovers of killed conversions
+(their process gone) and puts back a target that a killed ``--overwrite`` had moved aside.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import os
-import re
-import shutil
-import socket
-import sys
 import tempfile
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 from torch import Tensor
 
-from megatron_branch.commands.preflight import check_input_json, check_output_dir, fsync_dir
+from megatron_branch.atomic import check_output_dir, remove_stale_temps
 
 INDEX = "model.safetensors.index.json"
-_OWNED = re.compile(r"^\.(?P<base>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-(?P<start>\d+)-(?P<host>[0-9a-f]{8})-[a-z0-9_]+$")
+
+
+def check_input_json(flag: str, path: str) -> None:
+    """An input JSON file exists, is readable and holds an object (a ``config.json``)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{flag} {path}: no such file")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{flag} {path}: not valid JSON ({e}); pass a Hugging Face config.json") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{flag} {path}: holds a JSON {type(data).__name__}, expected an object (config.json)")
 
 
 # ------------------------------------------------------------------------------ input
@@ -144,83 +147,12 @@ def read_weights(hf_dir: str, sources: Optional[Dict[str, str]] = None) -> Dict[
 
 
 # ----------------------------------------------------------------------------- output
-def _host_tag() -> str:
-    return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
-
-
-def _owner_prefix(target: str, kind: str) -> str:
-    """``.NAME.tmp-<pid>-<start>-<host>-`` of this process (``kind``: tmp or old)."""
-    import psutil
-
-    start = int(psutil.Process().create_time())
-    return f".{os.path.basename(os.path.abspath(target))}.{kind}-{os.getpid()}-{start}-{_host_tag()}-"
-
-
-def _owner_gone(pid: int, start: int) -> bool:
-    """The process that made a temporary directory has exited (pid reuse is told apart
-    by the start time; a zombie counts as gone)."""
-    import psutil
-
-    try:
-        proc = psutil.Process(pid)
-        if abs(proc.create_time() - start) > 2:
-            return True
-        return proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-    except psutil.Error:  # e.g. access denied: it exists
-        return False
-
-
-def stale_temp_dirs(target: str) -> List[Tuple[str, str, int]]:
-    """``(path, kind, pid)`` of the directories :func:`atomic_dir` left next to ``target``
-    in runs whose process is gone (``kind``: ``tmp``, a partial output, or ``old``, a
-    previous target moved aside). Directories of other hosts or live processes, and
-    anything not named by :func:`atomic_dir`, are not listed."""
-    parent = os.path.dirname(os.path.abspath(target))
-    base = os.path.basename(os.path.abspath(target))
-    if not os.path.isdir(parent):
-        return []
-    found = []
-    for name in sorted(os.listdir(parent)):
-        m = _OWNED.match(name)
-        path = os.path.join(parent, name)
-        if not m or m["base"] != base or m["host"] != _host_tag() or os.path.islink(path) or not os.path.isdir(path):
-            continue
-        if _owner_gone(int(m["pid"]), int(m["start"])):
-            found.append((path, m["kind"], int(m["pid"])))
-    return found
-
-
-def _to_stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
-def remove_stale_temp_dirs(target: str, report: Optional[Callable[[str], None]] = None) -> List[str]:
-    """Clean up after killed runs that wrote ``target``: put back a previous target that a
-    killed ``--overwrite`` had moved aside (when ``target`` is missing), and remove their
-    partial outputs. Call it before writing ``target``. Each action is one line, passed to
-    ``report`` (default: printed to stderr) as it happens, and returned."""
-    done: List[str] = []
-    for path, kind, pid in stale_temp_dirs(target):
-        if kind == "old" and not os.path.exists(target):
-            os.rename(path, target)
-            done.append(f"restored {target} from {path}, moved aside by an interrupted --overwrite "
-                        f"(process {pid} is gone)")
-        else:
-            shutil.rmtree(path, ignore_errors=True)
-            what = "partial output" if kind == "tmp" else "replaced copy"
-            done.append(f"removed {path}, the {what} of an interrupted conversion (process {pid} is gone)")
-        (report or _to_stderr)(done[-1])
-    return done
-
-
 def check_target(target: str, overwrite: bool, flag: str, report: Optional[Callable[[str], None]] = None) -> List[str]:
     """Check before any heavy work that ``target`` (an output directory) can be written,
     after cleaning up stale temporary directories of killed runs.
 
     Returns:
-        The clean-up lines of :func:`remove_stale_temp_dirs` (each also passed to
+        The clean-up lines of :func:`megatron_branch.atomic.remove_stale_temps` (each also passed to
         ``report`` as it happens; default: printed to stderr).
 
     Raises:
@@ -236,43 +168,12 @@ def check_target(target: str, overwrite: bool, flag: str, report: Optional[Calla
     except OSError as e:
         raise PermissionError(f"{flag} {target}: cannot write in {probe} ({e.strerror}); choose a writable "
                               "directory") from None
-    done = remove_stale_temp_dirs(target, report)
+    done = remove_stale_temps(os.path.dirname(os.path.abspath(target)), os.path.basename(os.path.abspath(target)),
+                              what="conversion", replacement="--overwrite", report=report)
     if os.path.isdir(target) and os.listdir(target) and not overwrite:
         raise ValueError(f"{flag} {target}: exists and is not empty; pass --overwrite to replace it or choose "
                          "another directory")
     return done
-
-
-@contextlib.contextmanager
-def atomic_dir(target: str, overwrite: bool = False) -> Iterator[str]:
-    """Yield a temporary directory that becomes ``target`` only if the block succeeds.
-
-    The temporary directory is named after this process (see the module docstring); an
-    existing ``target`` (with ``overwrite``) is moved aside, replaced, then deleted.
-
-    Raises:
-        ValueError: ``target`` exists and is not empty, unless ``overwrite``.
-    """
-    if os.path.exists(target) and os.listdir(target) and not overwrite:
-        raise ValueError(f"{target}: exists and is not empty (pass --overwrite to replace it)")
-    parent = os.path.dirname(os.path.abspath(target)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=_owner_prefix(target, "tmp"), dir=parent)
-    try:
-        yield tmp
-        fsync_dir(tmp)
-        if os.path.exists(target):
-            old = tempfile.mkdtemp(prefix=_owner_prefix(target, "old"), dir=parent)
-            os.rename(target, old)  # replaces the empty placeholder
-            os.rename(tmp, target)
-            fsync_dir(parent)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, target)
-            fsync_dir(parent)
-    finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
 
 
 def write_weights(out_dir: str, state: Dict[str, Tensor], max_shard_bytes: int = 4 << 30) -> None:

@@ -1,0 +1,1 @@
+"""The truth every mode is judged against: the naive computation, agreement, bias."""

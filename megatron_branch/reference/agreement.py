@@ -1,4 +1,10 @@
-"""Compare branch replay with the naive computation: log-probs, loss, every gradient."""
+"""Agreement with a reference: log-probs, loss and every gradient.
+
+:func:`grad_agreement` is the one gradient comparison of the package (the exactness
+report, the benches, the study and the bias measurements all use it);
+:func:`check_against_naive` runs branch replay and the naive computation on the same
+rollouts and compares everything.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +14,9 @@ from typing import Callable, Dict, Optional, Sequence
 import torch
 from torch import Tensor
 
-from megatron_branch.scoring.logprobs import rollout_logprobs
+from megatron_branch.model import param_grad
 from megatron_branch.reference.naive import naive_rollout_logprobs
+from megatron_branch.scoring.logprobs import rollout_logprobs
 from megatron_branch.tree import BranchTree
 
 LossFn = Callable[[Tensor], Tensor]
@@ -32,11 +39,13 @@ class ExactnessReport:
 
 
 def grads(model) -> Dict[str, Tensor]:
-    """``name -> grad`` (zeros for parameters that got none)."""
-    return {
-        n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
-        for n, p in model.named_parameters()
-    }
+    """``name -> accumulated gradient`` (``main_grad`` under Megatron DDP; zeros for
+    parameters that got none), cloned."""
+    out = {}
+    for n, p in model.named_parameters():
+        g = param_grad(p)
+        out[n] = g.detach().clone() if g is not None else torch.zeros_like(p)
+    return out
 
 
 def rel_diff(a: Tensor, b: Tensor) -> float:
@@ -45,11 +54,52 @@ def rel_diff(a: Tensor, b: Tensor) -> float:
     return (a - b).abs().max().item() / (scale if scale > 0 else 1.0)
 
 
-def compare_grads(got: Dict[str, Tensor], ref: Dict[str, Tensor]) -> Dict[str, float]:
-    """Per-parameter relative gradient difference; names must match exactly."""
+@dataclass
+class GradAgreement:
+    """How close a gradient is to a reference gradient (the one helper every comparison uses).
+
+    Attributes:
+        per_param: ``name -> max|g - g_ref| / max|g_ref|`` (:func:`rel_diff`).
+        max_rel_diff: the largest of ``per_param``; ``worst_param`` names it.
+        cosine: cosine similarity of the flattened gradients (0 when ``g`` is zero).
+        rel_norm: ``|g| / |g_ref|``; rel_error: ``|g - g_ref| / |g_ref|`` (flattened; ``None``
+            when the reference is zero).
+    """
+
+    per_param: Dict[str, float]
+    max_rel_diff: float
+    worst_param: str
+    cosine: Optional[float]
+    rel_norm: Optional[float]
+    rel_error: Optional[float]
+
+
+def grad_agreement(got: Dict[str, Tensor], ref: Dict[str, Tensor]) -> GradAgreement:
+    """Compare ``name -> gradient`` dicts; names must match exactly.
+
+    Raises:
+        ValueError: the parameter names differ (the first few are named).
+    """
     if set(got) != set(ref):
         raise ValueError(f"parameter names differ: {sorted(set(got) ^ set(ref))[:5]}")
-    return {n: rel_diff(got[n].float(), ref[n].float()) for n in ref}
+    per_param = {n: rel_diff(got[n].float(), ref[n].float()) for n in ref}
+    worst = max(per_param, key=per_param.get) if per_param else ""
+    flat_got = torch.cat([got[n].detach().float().reshape(-1).cpu() for n in ref]) if ref else torch.zeros(0)
+    flat_ref = torch.cat([ref[n].detach().float().reshape(-1).cpu() for n in ref]) if ref else torch.zeros(0)
+    norm = float(flat_ref.norm())
+    if norm == 0.0:
+        cosine = rel_norm = rel_error = None
+    else:
+        cosine = (float(torch.nn.functional.cosine_similarity(flat_got, flat_ref, dim=0))
+                  if float(flat_got.norm()) > 0 else 0.0)
+        rel_norm = float(flat_got.norm()) / norm
+        rel_error = float((flat_got - flat_ref).norm()) / norm
+    return GradAgreement(per_param, per_param.get(worst, 0.0), worst, cosine, rel_norm, rel_error)
+
+
+def compare_grads(got: Dict[str, Tensor], ref: Dict[str, Tensor]) -> Dict[str, float]:
+    """Per-parameter relative gradient difference (:attr:`GradAgreement.per_param`)."""
+    return grad_agreement(got, ref).per_param
 
 
 def check_against_naive(
@@ -79,13 +129,12 @@ def check_against_naive(
     lp_naive = naive_rollout_logprobs(stock_model, sequences)
     loss_n = loss_fn(lp_naive)
     loss_n.backward()
-    diffs = compare_grads(grads(branch_model), grads(stock_model))
-    worst = max(diffs, key=diffs.get)
+    agreement = grad_agreement(grads(branch_model), grads(stock_model))
     return ExactnessReport(
         max_abs_logprob_diff=(lp_branch.detach() - lp_naive.detach()).abs().max().item(),
         loss_branch=loss_b.item(),
         loss_naive=loss_n.item(),
-        max_rel_grad_diff=diffs[worst],
-        worst_param=worst,
-        grad_rel_diffs=diffs,
+        max_rel_grad_diff=agreement.max_rel_diff,
+        worst_param=agreement.worst_param,
+        grad_rel_diffs=agreement.per_param,
     )

@@ -3,7 +3,9 @@
 This is the truth every mode is judged against (DESIGN.md §5): use it with a GPTModel
 built from Megatron's *stock* local spec. :func:`naive_rollout_logprobs` runs each
 rollout alone with an explicit causal mask; :func:`batched_rollout_logprobs` runs them
-as one right-padded batch, as plain trainers do (the timed baseline).
+as one right-padded batch, as plain trainers do (the timed baseline);
+:func:`naive_moe_logprobs` is the naive MoE batch (padding kept out of the router
+statistics); :func:`make_naive_forward_step` is the naive truth as a Megatron forward step.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ def _as_list(sequences) -> List[Tensor]:
     return [torch.as_tensor(s, dtype=torch.long) for s in sequences]
 
 
-def _token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    """``log_softmax(logits)[targets]`` of batch-first ``[b, s, V / tp]`` logits (vocab-parallel), ``[b, s]``."""
     # logits [b, s, V/tp], targets [b, s] -> [b, s] via Megatron's [s, b, V] convention
     nll = vocab_parallel_cross_entropy(logits.float().transpose(0, 1).contiguous(), targets.t().contiguous())
     return -nll.t()
@@ -39,7 +42,7 @@ def naive_rollout_logprobs(model, sequences: Sequence) -> Tensor:
         # Megatron convention: True = masked out; [1, 1, n, n]
         mask = torch.ones(n, n, dtype=torch.bool, device=device).triu(1)[None, None]
         logits = model(ids, pos, attention_mask=mask)
-        lp = _token_logprobs(logits[:, :-1], ids[:, 1:])[0]
+        lp = token_logprobs(logits[:, :-1], ids[:, 1:])[0]
         rows.append(torch.nn.functional.pad(lp, (0, width - lp.numel())))
     return torch.stack(rows)
 
@@ -66,7 +69,7 @@ def batched_rollout_logprobs(model, sequences: Sequence, multiple: int = 1, *, f
     pos = torch.arange(width, device=device).unsqueeze(0).expand(len(seqs), -1)
     mask = None if fused_causal else torch.ones(width, width, dtype=torch.bool, device=device).triu(1)[None, None]
     logits = model(ids, pos, attention_mask=mask)
-    lp = _token_logprobs(logits[:, : max_len - 1], ids[:, 1:max_len])
+    lp = token_logprobs(logits[:, : max_len - 1], ids[:, 1:max_len])
     valid = torch.arange(1, max_len, device=device)[None, :] < lengths[:, None]
     return torch.where(valid, lp, torch.zeros((), device=device))
 
@@ -96,7 +99,7 @@ def make_naive_forward_step(loss_fn, sequences: Sequence, forward_only: bool = F
         output = model(ids, pos, attention_mask=mask)
 
         def loss_func(logits: Tensor):
-            lp = _token_logprobs(logits[:, :-1], ids[:, 1:])
+            lp = token_logprobs(logits[:, :-1], ids[:, 1:])
             valid = torch.arange(1, width, device=device)[None, :] < lengths[:, None]
             lp = torch.where(valid, lp, torch.zeros((), device=device))
             out = loss_fn(torch.nn.functional.pad(lp, (0, item.width - lp.shape[1])), ids_r)
@@ -109,3 +112,24 @@ def make_naive_forward_step(loss_fn, sequences: Sequence, forward_only: bool = F
         return output, loss_func
 
     return forward_step
+
+
+def naive_moe_logprobs(model, sequences: Sequence) -> Tensor:
+    """``[R, max_len - 1]`` log-probs of the naive MoE batch: every rollout one sequence of a
+    right-padded batch with Megatron's MoE ``padding_mask`` (True = padding), so the router
+    statistics count exactly the rollouts' tokens. Use a stock-spec model."""
+    seqs = [torch.as_tensor(s, dtype=torch.long) for s in sequences]
+    device = next(model.parameters()).device
+    lengths = torch.tensor([s.numel() for s in seqs], device=device)
+    width = int(lengths.max())
+    ids = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
+    for i, s in enumerate(seqs):
+        ids[i, : s.numel()] = s.to(device)
+    pos = torch.arange(width, device=device)
+    padding = pos[None, :] >= lengths[:, None]  # [b, s]
+    mask = torch.ones(width, width, dtype=torch.bool, device=device).triu(1)[None, None]
+    kwargs = {"padding_mask": padding} if bool(padding.any()) else {}
+    logits = model(ids, pos[None].expand(len(seqs), -1), attention_mask=mask, **kwargs)
+    lp = token_logprobs(logits[:, :-1], ids[:, 1:])
+    valid = pos[None, 1:] < lengths[:, None]
+    return torch.where(valid, lp, torch.zeros((), device=device))

@@ -16,28 +16,37 @@ Costs (U = unique positions, S = tokens in stem units):
   holds only the stems' K/V (2 x kv_heads x head_dim per token per layer) plus one chunk.
 * ``prefix_grad="detached"`` (tail-only): forward U, backward U - S; the stem is a
   constant, so its parameters get no gradient through it — cheaper and biased
-  (:func:`prefix_grad_bias` measures how much).
+  (:func:`megatron_branch.reference.bias.prefix_grad_bias` measures how much).
+
+MoE models: a step that forwards the tree in parts with an aux loss on first collects
+the whole tree's router counts with one forward-only pass (:func:`collect_routing_statistics`;
+:mod:`megatron_branch.replay.routing` decides when), then runs with them bound; under
+expert parallelism the ranks' plans are checked to match first.
+
+The steps themselves are :class:`megatron_branch.replay.replayer.Replayer`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Literal, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Literal, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from megatron_branch.scoring.output_rows import scored_tokens
+from megatron_branch.model import model_device, single_chunk
 from megatron_branch.peak_memory import PeakMemory
-from megatron_branch.attention.path_cache import PathCache, StemRows
-from megatron_branch.replay.plan import ReplayOp, path_capacity, plan_replay, unit_of_rollouts
-from megatron_branch.scoring.vocab import check_model, model_device
-from megatron_branch.training.ddp import GradSync, as_chunks, param_grad, single_chunk
+from megatron_branch.replay.plan import path_capacity, plan_replay, unit_of_rollouts
+from megatron_branch.replay.replayer import LossFn, Replayer, split_loss  # noqa: F401 - split_loss re-exported
+from megatron_branch.replay.routing import check_expert_parallel_plan, needs_routing_statistics
+from megatron_branch.scoring.checks import check_model
+from megatron_branch.scoring.output_rows import scored_tokens
+from megatron_branch.scoring.unit import local_unit_rows
+from megatron_branch.spec.moe import RoutingStatistics, collecting_statistics
+from megatron_branch.spec.moe import routing_statistics as bound_statistics
 from megatron_branch.tree import BranchTree
-from megatron_branch.scoring.unit import ChildIndex, forward_unit, local_unit_rows
 
-LossFn = Callable[[Tensor, Tensor], Union[Tensor, Tuple[Tensor, Tensor]]]
 PrefixGrad = Literal["exact", "detached"]
 
 
@@ -73,115 +82,6 @@ class ReplayStats:
     num_tokens: Optional[float] = None
 
 
-@dataclass
-class _Stem:
-    rows: StemRows  # its rows in the path cache
-    start: int
-    end: int
-    children: Tensor  # packed indices whose parent lies in the stem
-    lp_graph: Optional[Tensor]  # their log-probs with the stem's graph (kept activations)
-
-
-def split_loss(out) -> Tuple[Tensor, Optional[Tensor]]:
-    """``loss_fn``'s result as ``(loss, count or None)``."""
-    loss, count = (out[0], out[1]) if isinstance(out, (tuple, list)) and len(out) == 2 else (out, None)
-    if not isinstance(loss, Tensor) or loss.numel() != 1:
-        shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
-        raise ValueError(f"loss_fn: must return a scalar tensor (or a (loss, num_tokens) pair), got {shape}")
-    return loss.reshape(()), count
-
-
-class _Replayer:
-    def __init__(self, model, tree: BranchTree, loss_fn: LossFn, exact: bool, recompute_stem: bool,
-                 cp_comm_type: str, capacity: int, scored: Optional[Tensor] = None):
-        self.model, self.tree, self.loss_fn = model, tree, loss_fn
-        self.exact, self.recompute_stem = exact, recompute_stem
-        self.cp_comm_type = cp_comm_type
-        self.scored = scored
-        self.grad_on = torch.is_grad_enabled()
-        self.device = model_device(model)
-        self.stack: List[_Stem] = []
-        self.cache = PathCache(capacity, requires_grad=exact)
-        # log-probs of the stems' children, a leaf: chunk losses accumulate their gradients
-        self.lp_known = torch.zeros(tree.unique_positions, dtype=torch.float32, device=self.device,
-                                    requires_grad=exact)
-        self.total = 0.0
-        self.count: Optional[float] = None
-        self.forwarded = self.recomputed = 0
-        self.children = ChildIndex(tree)
-        self.sync = GradSync(model)
-        self.final = False  # the step's last backward: Megatron DDP may reduce in it
-
-    def backward(self, tensors, grads=None) -> None:
-        ctx = contextlib.nullcontext() if self.final else self.sync.hold()
-        with ctx:
-            torch.autograd.backward(tensors, grads)
-
-    def forward_unit(self, start: int, end: int, **stem):
-        self.forwarded += end - start
-        idx, lp, _ = forward_unit(
-            self.model, self.tree, start, end, self.children, cp_comm_type=self.cp_comm_type,
-            scored=self.scored, cache=self.cache, **stem,
-        )
-        return idx, lp
-
-    def evaluate(self, rollouts: Sequence[int], own: Optional[tuple] = None) -> None:
-        """loss_fn on ``rollouts`` from the stems' leaf log-probs (and this unit's graph)."""
-        lp_vec = self.lp_known
-        if own is not None:
-            lp_vec = lp_vec.index_put((own[0].to(self.device),), own[1])
-        ids = torch.tensor(rollouts, dtype=torch.long)
-        rows = self.tree.rows[ids, 1:].to(self.device)
-        lp = torch.where(rows >= 0, lp_vec[rows.clamp(min=0)], torch.zeros((), device=self.device))
-        loss, count = split_loss(self.loss_fn(lp, ids))
-        self.total += float(loss.detach())
-        if count is not None:
-            self.count = (self.count or 0.0) + float(count)
-        if not self.grad_on:
-            return
-        if loss.requires_grad:
-            self.backward([loss])
-        elif self.final and own is not None and own[1].requires_grad:
-            # Nothing to learn from these rollouts, but the step's final backward must still
-            # reach every parameter so that Megatron DDP's overlapped buckets are reduced.
-            self.backward([own[1].sum() * 0.0])
-
-    def stem(self, op: ReplayOp, rollouts: Sequence[int]) -> None:
-        keep = self.exact and not self.recompute_stem
-        stem_id = self.cache.begin_stem()
-        ctx = contextlib.nullcontext() if keep else torch.no_grad()
-        with ctx:
-            children, lp = self.forward_unit(op.start, op.end, stem_id=stem_id, inject=keep)
-        rows = self.cache.push()
-        with torch.no_grad():
-            self.lp_known[children.to(self.device)] = lp.detach().float()
-        self.stack.append(_Stem(rows, op.start, op.end, children, lp if keep else None))
-        if rollouts:
-            self.evaluate(rollouts)
-
-    def pop(self) -> None:
-        stem = self.stack.pop()
-        rows = self.cache.pop()
-        if not self.exact:
-            self.cache.release(rows)
-            return
-        lp = stem.lp_graph
-        if lp is None:  # recompute the stem's forward, now with its graph
-            self.cache.begin_stem(rows.stem_id)
-            _, lp = self.forward_unit(stem.start, stem.end, stem_id=rows.stem_id, inject=True)
-            self.cache.open = None
-            self.recomputed += stem.end - stem.start
-        known = self.lp_known.grad
-        grad = known[stem.children.to(self.device)] if known is not None else torch.zeros_like(lp)
-        # Also adds every layer's accumulated dK/dV through the InjectGrad nodes.
-        self.backward([lp], [grad.to(lp.dtype)])
-        self.cache.release(rows)
-
-    def chunk(self, op: ReplayOp, rollouts: Sequence[int]) -> None:
-        own = self.forward_unit(op.start, op.end)
-        self.evaluate(rollouts, own)
-
-
 def replay_step(
     model,
     tree: BranchTree,
@@ -194,6 +94,7 @@ def replay_step(
     measure_memory: bool = False,
     cp_comm_type: str = "allgather",
     score_mask: Optional[Tensor] = None,
+    routing_statistics: Optional[RoutingStatistics] = None,
 ) -> ReplayStats:
     """One branch-replay forward/backward of ``loss_fn`` over the rollouts of ``tree``.
 
@@ -224,6 +125,9 @@ def replay_step(
         score_mask: ``[R, max_len - 1]``, nonzero where ``loss_fn`` reads ``lp`` (e.g. the
             response mask): logits are computed only for those tokens' parents, and the
             other entries of ``lp`` are 0. ``None`` scores every token.
+        routing_statistics: MoE models: the whole tree's router counts, if already
+            collected (:func:`collect_routing_statistics`, e.g. with the old-policy
+            log-probs); otherwise a step that needs them collects them itself.
 
     Returns:
         :class:`ReplayStats`. Parameter ``.grad`` (``main_grad`` under Megatron DDP) hold
@@ -242,21 +146,18 @@ def replay_step(
     owners: Dict[int, List[int]] = unit_of_rollouts(tree, ops)
     exact = prefix_grad == "exact" and torch.is_grad_enabled()
     scored = None if score_mask is None else scored_tokens(tree, score_mask)
+    # MoE phase: every EP rank must run the same units; an aux loss over a tree forwarded
+    # in parts needs the whole tree's router counts before the first unit.
+    check_expert_parallel_plan(model, ops, recompute_stem=recompute_stem, prefix_grad=prefix_grad)
+    if routing_statistics is None and needs_routing_statistics(model, ops):
+        routing_statistics, _ = collect_routing_statistics(model, tree, max_chunk_tokens=max_chunk_tokens,
+                                                           group_ids=group_ids, cp_comm_type=cp_comm_type)
     # each CP rank caches only its share of every stem
     capacity = path_capacity(ops, lambda op: local_unit_rows(model, tree, op.start, op.end))
-    run = _Replayer(model, tree, loss_fn, exact, recompute_stem, cp_comm_type, capacity, scored)
-    last_backward = max((i for i, op in enumerate(ops) if op.kind == "chunk" or (op.kind == "pop" and exact)),
-                        default=-1)
+    run = Replayer(model, tree, loss_fn, exact, recompute_stem, cp_comm_type, capacity, scored)
     meter = PeakMemory(run.device) if measure_memory else contextlib.nullcontext()
-    with meter:
-        for i, op in enumerate(ops):
-            run.final = i == last_backward
-            if op.kind == "stem":
-                run.stem(op, owners.get(i, []))
-            elif op.kind == "chunk":
-                run.chunk(op, owners.get(i, []))
-            else:
-                run.pop()
+    with meter, bound_statistics(model, routing_statistics):
+        run.run(ops, owners)
     return ReplayStats(
         loss=run.total,
         num_chunks=sum(op.kind == "chunk" for op in ops),
@@ -295,47 +196,23 @@ def replay_logprobs(
     return out.to(model_device(model))
 
 
-def _grads(model) -> List[Optional[Tensor]]:
-    return [None if param_grad(p) is None else param_grad(p).detach().clone() for p in model.parameters()]
+def collect_routing_statistics(model, tree: BranchTree, *, max_chunk_tokens: Optional[int] = None,
+                               group_ids: Optional[Sequence[int]] = None,
+                               cp_comm_type: str = "allgather") -> Tuple[RoutingStatistics, Tensor]:
+    """One forward-only pass over ``tree`` that records every MoE layer's router counts.
 
+    Runs :func:`replay_logprobs` (memory-bounded like the step) and sums the counts over
+    TP x CP (and DP for the global aux loss): a collective, so every rank of those groups
+    calls it. Use the same ``max_chunk_tokens`` and ``group_ids`` as the step (the
+    routing then sees bit-identical inputs); :func:`replay_step` does this itself.
 
-def _set_grads(model, grads: Sequence[Optional[Tensor]]) -> None:
-    for p, g in zip(model.parameters(), grads):
-        main = getattr(p, "main_grad", None)
-        if main is not None:
-            main.copy_(g if g is not None else torch.zeros_like(main))
-        else:
-            p.grad = g
-
-
-def _flat(grads: Sequence[Optional[Tensor]], model) -> Tensor:
-    return torch.cat([
-        (g if g is not None else torch.zeros_like(p)).float().reshape(-1) for g, p in zip(grads, model.parameters())
-    ])
-
-
-def prefix_grad_bias(model, tree: BranchTree, loss_fn: LossFn, **kwargs) -> Dict[str, float]:
-    """How far the tail-only gradient is from the exact one, for the same step.
-
-    Runs the step in both modes (gradients, ``main_grad`` under Megatron DDP, are
-    restored afterwards; DDP's reduction is held) and returns ``cosine`` (cosine
-    similarity), ``rel_norm`` (``|g_detached| / |g_exact|``) and ``rel_error``
-    (``|g_detached - g_exact| / |g_exact|``) of this rank's local gradients.
+    Returns:
+        ``(statistics, logprobs [R, max_len - 1])``: the log-probs are
+        ``replay_logprobs``' (old-policy log-probs when the weights are those of the rollouts).
     """
-    model = single_chunk(model, "prefix_grad_bias")
-    saved = _grads(model)
-    zeros = [None] * len(saved)
-    grads = {}
-    with GradSync(as_chunks(model)).hold():
-        for mode in ("exact", "detached"):
-            _set_grads(model, zeros)
-            replay_step(model, tree, loss_fn, prefix_grad=mode, **kwargs)
-            grads[mode] = _flat(_grads(model), model)
-    _set_grads(model, saved)
-    exact, detached = grads["exact"], grads["detached"]
-    norm = exact.norm().clamp(min=1e-30)
-    return {
-        "cosine": float(torch.nn.functional.cosine_similarity(exact, detached, dim=0)),
-        "rel_norm": float(detached.norm() / norm),
-        "rel_error": float((detached - exact).norm() / norm),
-    }
+    stats = RoutingStatistics(tree)
+    with collecting_statistics(model, stats) as found:
+        lp = replay_logprobs(model, tree, max_chunk_tokens=max_chunk_tokens, group_ids=group_ids,
+                             cp_comm_type=cp_comm_type)
+    stats.finish(found)
+    return stats, lp

@@ -1,4 +1,10 @@
-"""Per-rollout log-probabilities from one packed forward over the tree."""
+"""Per-rollout log-probabilities from one packed forward over the tree.
+
+``rollout_logprobs`` runs the unit forward (:mod:`megatron_branch.scoring.unit`) over the
+whole tree and gathers the unique tokens' log-probs into ``[R, max_len - 1]``
+(:func:`per_rollout`); a shared token's value is gathered by every rollout that holds it,
+so autograd sums their gradients into it.
+"""
 
 from __future__ import annotations
 
@@ -6,19 +12,14 @@ from typing import Optional, Tuple, Union
 
 from torch import Tensor
 
+import torch
+
+from megatron_branch.model import single_chunk
+from megatron_branch.scoring.checks import check_model
 from megatron_branch.scoring.output_rows import scored_tokens
-from megatron_branch.scoring.vocab import (  # noqa: F401 - re-exported
-    check_model,
-    child_logprobs,
-    model_device,
-    per_rollout,
-    unique_token_logprobs,
-    unwrap,
-    vocab_parallel_entropy,
-)
-from megatron_branch.training.ddp import single_chunk
-from megatron_branch.tree import BranchTree
 from megatron_branch.scoring.unit import forward_unit
+from megatron_branch.scoring.vocab import child_logprobs
+from megatron_branch.tree import BranchTree
 
 
 def rollout_logprobs(
@@ -65,3 +66,38 @@ def rollout_logprobs(
     if entropy:
         return lp, per_rollout(ent_child.new_zeros(tree.unique_positions).index_put((idx,), ent_child), tree)
     return lp
+
+
+def unique_token_logprobs(
+    logits: Tensor, tree: BranchTree, entropy: bool = False
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """Log-prob of every packed token given its parent, from packed logits.
+
+    Args:
+        logits: ``[U, V / tp]`` logits of the packed sequence (vocab-parallel).
+        tree: the packed tree.
+        entropy: also return the entropy of the distribution at each token's parent.
+
+    Returns:
+        ``(lp [U], ent [U] or None)`` float32; roots (no parent) get 0. A branch point's
+        logits row serves each of its children.
+    """
+    parents = tree.parents.to(logits.device)
+    child = (parents >= 0).nonzero(as_tuple=True)[0]
+    lp_child, ent_child = child_logprobs(logits, parents[child], tree.tokens.to(logits.device)[child], entropy)
+    lp = torch.zeros(tree.unique_positions, dtype=torch.float32, device=logits.device)
+    ent = None if ent_child is None else torch.zeros_like(lp).index_put((child,), ent_child)
+    return lp.index_put((child,), lp_child), ent
+
+
+def per_rollout(values: Tensor, tree: BranchTree, rollouts: Optional[Tensor] = None) -> Tensor:
+    """Gather packed per-token values into ``[R, max_len - 1]`` (0 past each end).
+
+    ``out[r, t] = values[rows[r, t + 1]]``: the value of predicting token ``t + 1``;
+    ``rollouts`` selects a subset of rows.
+    """
+    rows = tree.rows[:, 1:] if rollouts is None else tree.rows[rollouts, 1:]
+    rows = rows.to(values.device)
+    valid = rows >= 0
+    out = values[rows.clamp(min=0)]
+    return torch.where(valid, out, torch.zeros((), dtype=out.dtype, device=out.device))

@@ -23,11 +23,11 @@ import torch
 from torch import Tensor
 
 from megatron_branch._megatron import gather_from_sequence_parallel_region
-from megatron_branch.scoring.vocab import unwrap
+from megatron_branch.model import unwrap
 
 
 @contextlib.contextmanager
-def output_rows(model, rows: Tensor) -> Iterator[None]:
+def select_output_rows(model, rows: Tensor) -> Iterator[None]:
     """Inside, the model's output layer sees only the hidden rows ``rows`` (this rank's
     sequence positions, before any sequence-parallel split), so the model returns logits
     ``[b, len(rows), V / tp]``. A no-op on pipeline stages without the output layer.

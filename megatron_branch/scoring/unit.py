@@ -13,21 +13,18 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from megatron_branch._megatron import parallel_state
-from megatron_branch.flops import ModelShape
-from megatron_branch.scoring.output_rows import output_rows
 from megatron_branch.attention.context_parallel import CP_COMM_TYPES, singleton_group, sum_across
-from megatron_branch.scoring.vocab import child_logprobs, model_device, unwrap
+from megatron_branch.flops import ModelShape
+from megatron_branch.layout import ParallelLayout
+from megatron_branch.model import model_device, unwrap
+from megatron_branch.scoring.output_rows import select_output_rows
+from megatron_branch.scoring.vocab import child_logprobs
 from megatron_branch.spec.packed_seq import BranchPackedSeqParams
 from megatron_branch.tree import BranchTree
 
 
 def _cp_group():
-    if not parallel_state.model_parallel_is_initialized():
-        return None
-    if parallel_state.get_context_parallel_world_size() == 1:
-        return None
-    return parallel_state.get_context_parallel_group()
+    return ParallelLayout.current().group("cp")
 
 
 FP8_TOKEN_MULTIPLE = 16  # Transformer Engine's FP8 GEMMs need token counts divisible by 16
@@ -211,7 +208,7 @@ def forward_unit(
     params, ids = prepare_unit(model, tree, start, end, cp_comm_type=cp_comm_type,
                                cp_linear_weight=cp_linear_weight, **cache)
     sel = UnitRows(tree, start, end, params, children, scored)
-    with output_rows(model, sel.rows):
+    with select_output_rows(model, sel.rows):
         logits = model(ids.unsqueeze(0), params.positions.unsqueeze(0), attention_mask=None,
                        packed_seq_params=params)[0]  # [u, V/tp]
     return score_unit(logits, tree, start, end, params, children, entropy, unit_rows=sel, scored=scored)

@@ -1,20 +1,20 @@
-"""Layer specs: Megatron's stock local GPT layer with tree attention in place."""
+"""``get_branch_layer_spec``: Megatron's stock GPT layer spec with the branch pieces in place.
+
+A sequence of ``apply_*`` steps, each beside the modules it installs, as torchtitan's
+``parallelize_*`` applies its parallelisms: :func:`~megatron_branch.spec.attention.apply_branch_attention`
+(tree attention), :func:`~megatron_branch.spec.moe.apply_branch_moe` (router statistics
+weighted by multiplicity). The same steps apply to any layer or block spec a user builds.
+"""
 
 from __future__ import annotations
 
-import copy
 from typing import Optional
 
 from megatron_branch._deps import HAVE_TE
-from megatron_branch._megatron import (
-    ModuleSpec,
-    SelfAttention,
-    TransformerBlock,
-    TransformerBlockSubmodules,
-    get_gpt_layer_local_spec,
-)
-from megatron_branch.spec.core_attention import BACKENDS, BranchCoreAttention
-from megatron_branch.spec.self_attention import BranchSelfAttention
+from megatron_branch._megatron import ModuleSpec, get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec
+from megatron_branch.spec.attention import apply_branch_attention
+from megatron_branch.spec.core_attention import BACKENDS
+from megatron_branch.spec.moe import apply_branch_moe
 
 
 def get_branch_layer_spec(
@@ -68,76 +68,11 @@ def get_branch_layer_spec(
                 "use_te: Transformer Engine is not importable here; install the [te] extra on a "
                 "GPU machine (pip install -e '.[te]') or use the default local spec"
             )
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
         local_spec_kwargs.pop("normalization", None)
         base = get_gpt_layer_with_transformer_engine_spec(**local_spec_kwargs)
     else:
         base = get_gpt_layer_local_spec(**local_spec_kwargs)
+    # The branch pieces, each installed by its own step (a no-op where its slot is absent).
     spec = apply_branch_attention(base, backend=backend, chunk_size=chunk_size, kernel=kernel)
-    if local_spec_kwargs.get("num_experts"):
-        from megatron_branch.spec.moe import apply_branch_moe
-
-        spec = apply_branch_moe(spec, token_dropping=moe_token_dropping)
+    spec = apply_branch_moe(spec, token_dropping=moe_token_dropping)
     return spec
-
-
-def apply_branch_attention(
-    spec, backend: str = "cascade", chunk_size: Optional[int] = None, kernel: Optional[str] = None
-):
-    """A copy of any Megatron GPT layer or block spec with tree attention in every layer.
-
-    Accepts what GPTModel accepts as ``transformer_layer_spec``: a layer ``ModuleSpec``, a
-    ``TransformerBlockSubmodules`` (e.g. ``get_gpt_decoder_block_spec`` for MoE layer
-    patterns) or a ``ModuleSpec`` of a ``TransformerBlock``. In each layer,
-    ``self_attention.module`` becomes :class:`BranchSelfAttention` and its
-    ``core_attention`` :class:`BranchCoreAttention`; nothing else changes, so parameter
-    names and shapes are the original spec's.
-
-    Raises:
-        ValueError: a layer whose self-attention is not Megatron's ``SelfAttention``
-            (multi-latent attention, experimental attention variants).
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
-    core = ModuleSpec(module=BranchCoreAttention, params={"backend": backend, "chunk_size": chunk_size, "kernel": kernel})
-    return _map_layers(spec, lambda layer: _with_branch_attention(layer, core))
-
-
-def _with_branch_attention(layer: ModuleSpec, core: ModuleSpec) -> ModuleSpec:
-    # Copy only the path to the two slots: every other slot stays the very object of the
-    # original spec (megatron-core 0.17+ builds MLP slots with functools.partial, which
-    # compares unequal once deep-copied).
-    attn = layer.submodules.self_attention
-    if not (isinstance(attn.module, type) and issubclass(attn.module, SelfAttention)):
-        name = getattr(attn.module, "__name__", type(attn.module).__name__)
-        raise ValueError(f"self_attention: {name} is not Megatron's SelfAttention; the branch spec "
-                         "replaces only its core attention (MLA and attention variants are not supported)")
-    attn_sub = copy.copy(attn.submodules)
-    attn_sub.core_attention = core
-    new_attn = copy.copy(attn)
-    new_attn.module, new_attn.submodules, new_attn.params = BranchSelfAttention, attn_sub, dict(attn.params)
-    layer_sub = copy.copy(layer.submodules)
-    layer_sub.self_attention = new_attn
-    new_layer = copy.copy(layer)
-    new_layer.submodules, new_layer.params = layer_sub, dict(layer.params)
-    return new_layer
-
-
-def _map_layers(spec, fn):
-    if isinstance(spec, TransformerBlockSubmodules):
-        out = copy.copy(spec)
-        out.layer_specs = [fn(layer) for layer in spec.layer_specs]
-        return out
-    if isinstance(spec, ModuleSpec) and isinstance(spec.module, type) and issubclass(spec.module, TransformerBlock):
-        out = copy.copy(spec)
-        out.submodules = _map_layers(spec.submodules, fn)
-        return out
-    if isinstance(spec, ModuleSpec):
-        return fn(spec)
-    raise ValueError(f"spec: expected a layer or block spec, got {type(spec).__name__}")
-
-
-def is_branch_model(model) -> bool:
-    """True if ``model`` (possibly wrapped) contains tree attention layers."""
-    return any(isinstance(m, BranchCoreAttention) for m in model.modules())

@@ -9,7 +9,7 @@ context-parallel layout. No globals: each forward gets its own.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -21,6 +21,8 @@ from megatron_branch.tree import BranchSegment, BranchTree
 
 if TYPE_CHECKING:
     from megatron_branch.attention.path_cache import PathCache
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -59,8 +61,7 @@ class BranchPackedSeqParams(PackedSeqParams):
     _pieces: Dict[Tuple[Optional[int], Optional[int]], List[AttentionPiece]] = field(
         default_factory=dict, repr=False
     )
-    _rope: Dict[int, object] = field(default_factory=dict, repr=False)
-    _moe: Dict[object, object] = field(default_factory=dict, repr=False)
+    _memo: Dict[object, object] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_tree(cls, tree: BranchTree, device=None) -> "BranchPackedSeqParams":
@@ -136,6 +137,14 @@ class BranchPackedSeqParams(PackedSeqParams):
             positions=positions, last=last, segments=segments, num_real=n, total=total, cp=layout,
             multiplicity=multiplicity, tree=tree, start=start, **cache,
         )
+
+    def memo(self, key, build: Callable[[], T]) -> T:
+        """``build()`` once per forward: what every layer derives alike from these params
+        (the gathered rotary table, the MoE layers' tree tokens) is computed by the first
+        layer and shared by the rest (and by their recompute in the backward)."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
 
     @property
     def local(self) -> Tuple[int, int]:

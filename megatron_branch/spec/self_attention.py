@@ -31,10 +31,8 @@ class BranchSelfAttention(SelfAttention):
         params = kwargs.get("packed_seq_params")
         table = kwargs.get("rotary_pos_emb")
         if isinstance(params, BranchPackedSeqParams) and table is not None:
-            # Every layer gets the same table: gather once per forward.
-            key = id(table[0] if isinstance(table, tuple) else table)
-            if key not in params._rope:
-                params._rope.clear()
-                params._rope[key] = (table, gather_rotary(table, params.positions))
-            kwargs["rotary_pos_emb"] = params._rope[key][1]
+            # Every layer gets the same table: gather once per forward (the entry keeps the
+            # table alive, so its id cannot be reused by another table).
+            key = ("rope", id(table[0] if isinstance(table, tuple) else table))
+            kwargs["rotary_pos_emb"] = params.memo(key, lambda: (table, gather_rotary(table, params.positions)))[1]
         return super().forward(hidden_states, attention_mask, *args, **kwargs)

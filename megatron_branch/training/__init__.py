@@ -5,46 +5,47 @@
     plan = plan_data_parallel(rollouts, group_ids, dp_size, micro_batch_tokens=16384)
     train_step([model], optimizer, plan.ranks[dp_rank], loss_fn)   # loss_fn -> (sum, count)
 
-Files: :mod:`.ddp` (Megatron DDP wrapping, held reduction over replay's backwards),
-:mod:`.optimizer` (``get_megatron_optimizer`` on CPU too), :mod:`.batching` (whole-tree
-DP balance and micro-batches), :mod:`.step` (one iteration), :mod:`.checkpoint`
-(save/resume through Megatron's ``dist_checkpointing``, atomic). Names are imported on first
-use (the replay and pipeline modules import :mod:`.ddp` and :mod:`.batching` directly).
+Files: :mod:`.ddp` (Megatron DDP wrapping), :mod:`.optimizer` (``get_megatron_optimizer``
+on CPU too), :mod:`.batching` (whole-tree DP balance and micro-batches), :mod:`.schedule`
+(packed trees in Megatron's pipeline schedules), :mod:`.step` (one iteration),
+:mod:`.finite_guard` (NaN/Inf detection), :mod:`.checkpoint` (save/resume through
+Megatron's ``dist_checkpointing``, atomic).
 """
 
-import importlib
-from typing import Any
+from megatron_branch.model import GradSync, as_chunks, check_wrapper, param_grad
+from megatron_branch.training.batching import DataParallelPlan, TreeMicroBatch, plan_data_parallel
+from megatron_branch.training.checkpoint import (
+    LoadedCheckpoint,
+    check_load_dir,
+    check_save_dir,
+    latest_iteration,
+    load_checkpoint,
+    save_checkpoint,
+)
+from megatron_branch.training.ddp import wrap_ddp, zero_grads
+from megatron_branch.training.optimizer import get_optimizer, optimizer_step
+from megatron_branch.training.step import StepResult, configure, forward_backward_step, train_step
 
-_EXPORTS = {
-    "LoadedCheckpoint": "checkpoint",
-    "check_load_dir": "checkpoint",
-    "check_save_dir": "checkpoint",
-    "latest_iteration": "checkpoint",
-    "load_checkpoint": "checkpoint",
-    "save_checkpoint": "checkpoint",
-    "DataParallelPlan": "batching",
-    "TreeMicroBatch": "batching",
-    "plan_data_parallel": "batching",
-    "GradSync": "ddp",
-    "as_chunks": "ddp",
-    "check_wrapper": "ddp",
-    "param_grad": "ddp",
-    "wrap_ddp": "ddp",
-    "get_optimizer": "optimizer",
-    "optimizer_step": "optimizer",
-    "StepResult": "step",
-    "configure": "step",
-    "forward_backward_step": "step",
-    "train_step": "step",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'megatron_branch.training' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"megatron_branch.training.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "DataParallelPlan",
+    "GradSync",
+    "LoadedCheckpoint",
+    "StepResult",
+    "TreeMicroBatch",
+    "as_chunks",
+    "check_load_dir",
+    "check_save_dir",
+    "check_wrapper",
+    "configure",
+    "forward_backward_step",
+    "get_optimizer",
+    "latest_iteration",
+    "load_checkpoint",
+    "optimizer_step",
+    "param_grad",
+    "plan_data_parallel",
+    "save_checkpoint",
+    "train_step",
+    "wrap_ddp",
+    "zero_grads",
+]

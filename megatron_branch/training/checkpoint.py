@@ -19,14 +19,15 @@ What a checkpoint holds (``DIR/iter_0000002/``):
 * ``train_state.json``: the iteration, the caller's data position, the layout, the
   model fingerprint (refused on mismatch) and the writer used.
 
-**Atomic save.** Every rank writes into ``DIR/iter_XXXXXXX.tmp-<token>``; once all ranks
-are done and ``train_state.json`` is written, rank 0 renames the directory to
-``DIR/iter_XXXXXXX`` and replaces ``DIR/latest`` (the iteration number) with
+**Atomic save** (the package's one convention, :mod:`megatron_branch.atomic`). Every rank
+writes into ``DIR/.iter_XXXXXXX.tmp-<pid>-<start>-<host>-<random>`` (named after rank 0's
+process); once all ranks are done and ``train_state.json`` is written, rank 0 renames the
+directory to ``DIR/iter_XXXXXXX`` and replaces ``DIR/latest`` (the iteration number) with
 ``os.replace`` of a temporary file, fsyncing files and the directory. A save killed at any
-point leaves ``latest`` naming the previous complete checkpoint; half-written
-``*.tmp-*`` entries are ignored and removed by the next :func:`load_checkpoint`. (Saving
-an iteration that already exists moves the old copy aside first; a kill between that
-move and the rename leaves ``latest`` naming a missing directory, which is reported.)
+point leaves ``latest`` naming the previous complete checkpoint; half-written temporary
+entries are ignored and removed by the next :func:`load_checkpoint`. Saving an iteration
+that already exists moves the old copy aside first (``.iter_XXXXXXX.old-...``); a kill
+between that move and the rename is mended by the next load, which puts it back.
 
 **Writer.** Megatron's ``torch_dist`` writer (``FileSystemWriterAsync``) starts a
 ``multiprocessing`` manager process for its result queue and, in megatron-core 0.16,
@@ -47,8 +48,6 @@ import os
 import queue
 import random
 import re
-import shutil
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
@@ -64,20 +63,26 @@ from megatron_branch._megatron import (
     TorchDistSaveShardedStrategy,
     dist_checkpointing,
     filesystem_async as _fs_async,
-    parallel_state,
     tensor_parallel,
 )
-from megatron_branch.commands.preflight import fsync_dir
+from megatron_branch.atomic import (
+    clean_stale_temps,
+    fsync_dir,
+    make_temp_dir,
+    publish_dir,
+    stale_temps,
+    write_text_atomically,
+)
+from megatron_branch.layout import ParallelLayout
 from megatron_branch.cpu import cuda_factories_on_cpu
-from megatron_branch.scoring.vocab import unwrap
-from megatron_branch.training.ddp import as_chunks
+from megatron_branch.model import unwrap
+from megatron_branch.model import as_chunks
 
 FORMAT_VERSION = 1
 LATEST = "latest"
 STATE_FILE = "train_state.json"
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 _ITER = re.compile(r"^iter_(\d{7})$")
-_TEMP = re.compile(r"^(iter_\d{7}|latest)\.tmp-")
 
 
 def iteration_dir(directory: str, iteration: int) -> str:
@@ -287,16 +292,7 @@ def save_sharded(state: Dict[str, Any], directory: str) -> str:
 
 # ------------------------------------------------------------------------ state dicts
 def _layout() -> Dict[str, int]:
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if not parallel_state.model_parallel_is_initialized():
-        return {"world": world, "tp": 1, "pp": 1, "cp": 1, "dp": world}
-    return {
-        "world": world,
-        "tp": parallel_state.get_tensor_model_parallel_world_size(),
-        "pp": parallel_state.get_pipeline_model_parallel_world_size(),
-        "cp": parallel_state.get_context_parallel_world_size(),
-        "dp": parallel_state.get_data_parallel_world_size(),
-    }
+    return ParallelLayout.current().sizes()
 
 
 def _rank() -> int:
@@ -445,17 +441,6 @@ def _check_optimizer(optimizer) -> None:
         )
 
 
-# ------------------------------------------------------------------------- filesystem
-def _write_file_atomically(path: str, text: str, token: str) -> None:
-    tmp = f"{path}.tmp-{token}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path) or ".")
-
-
 def _broadcast(obj):
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
@@ -470,21 +455,12 @@ def _barrier() -> None:
 
 
 def remove_stale_temp(directory: str) -> List[str]:
-    """Remove the ``*.tmp-*`` leftovers of interrupted saves in ``directory`` (call it
-    when no save is running); returns their names."""
-    removed = []
-    if not os.path.isdir(directory):
-        return removed
-    for name in sorted(os.listdir(directory)):
-        if _TEMP.match(name):
-            path = os.path.join(directory, name)
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                with contextlib.suppress(OSError):
-                    os.remove(path)
-            removed.append(name)
-    return removed
+    """Remove the leftovers of interrupted saves in ``directory`` (their writer gone, or
+    this process: call it when no save is running), put back an iteration a killed
+    re-save had moved aside; returns the names removed or restored."""
+    stale = stale_temps(directory, own_process=True)
+    clean_stale_temps(stale, what="save", replacement="re-save", report=lambda line: None)
+    return [os.path.basename(path) for path, _, _ in stale]
 
 
 # ------------------------------------------------------------------------ save / load
@@ -527,15 +503,9 @@ def save_checkpoint(
     _need_psutil("save_checkpoint")
     chunks = as_chunks(model)
     layout = _layout()
-    token = None
-    if _rank() == 0:
-        os.makedirs(directory, exist_ok=True)
-        token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    token = _broadcast(token)
     final = iteration_dir(directory, iteration)
-    tmp = f"{final}.tmp-{token}"
-    if _rank() == 0:
-        os.makedirs(tmp)
+    tmp = make_temp_dir(final) if _rank() == 0 else None  # named after rank 0's process (atomic)
+    tmp = _broadcast(tmp)
     _barrier()
     state = _sharded_state(chunks, optimizer, is_loading=False, rng=rng_state(), layout=layout)
     writer = save_sharded(state, tmp)  # ends with a barrier
@@ -560,15 +530,8 @@ def save_checkpoint(
     if before_commit is not None:
         before_commit(tmp)
     if _rank() == 0:
-        old = None
-        if os.path.exists(final):  # re-saving an iteration: the old copy goes aside first
-            old = f"{final}.tmp-{token}-old"
-            os.rename(final, old)
-        os.rename(tmp, final)
-        fsync_dir(directory)
-        _write_file_atomically(os.path.join(directory, LATEST), f"{iteration}\n", token)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        publish_dir(tmp, final)  # re-saving an iteration moves the old copy aside first
+        write_text_atomically(os.path.join(directory, LATEST), f"{iteration}\n")
     _barrier()
     return final
 

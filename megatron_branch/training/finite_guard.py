@@ -40,8 +40,8 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from megatron_branch.scoring.vocab import unwrap
-from megatron_branch.training.ddp import as_chunks, param_grad
+from megatron_branch.model import unwrap
+from megatron_branch.model import as_chunks, param_grad
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)$")
 _PARAM_LAYER = re.compile(r"^(.*decoder\.layers\.)(\d+)(\..*)$")

@@ -16,7 +16,7 @@ import torch
 
 from megatron_branch._megatron import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron_branch.cpu import cuda_factories_on_cpu
-from megatron_branch.training.ddp import as_chunks, is_megatron_ddp
+from megatron_branch.model import as_chunks, is_megatron_ddp
 
 
 def get_optimizer(config: OptimizerConfig, model: Sequence[torch.nn.Module]) -> MegatronOptimizer:

@@ -22,11 +22,13 @@ import torch
 from torch import Tensor
 
 from megatron_branch.cpu import cuda_factories_on_cpu
-from megatron_branch.scoring.vocab import check_model, per_rollout, unwrap
+from megatron_branch.scoring.checks import check_model
+from megatron_branch.scoring.logprobs import per_rollout
+from megatron_branch.model import unwrap
 from megatron_branch.training.batching import TreeMicroBatch
-from megatron_branch.training.ddp import as_chunks
+from megatron_branch.model import as_chunks
 from megatron_branch.tree import BranchTree
-from megatron_branch.scoring.output_rows import output_rows, scored_tokens
+from megatron_branch.scoring.output_rows import select_output_rows, scored_tokens
 from megatron_branch.scoring.unit import ChildIndex, UnitRows, prepare_unit, score_unit, unit_multiple
 
 LossFn = Callable[[Tensor, Tensor], Union[Tensor, Tuple[Tensor, Tensor]]]
@@ -139,7 +141,7 @@ def make_forward_step(loss_fn: LossFn, forward_only: bool = False, cp_comm_type:
         children = ChildIndex(tree)
         scored = None if item.score_mask is None else scored_tokens(tree, item.score_mask[:, : tree.max_len - 1])
         rows = UnitRows(tree, 0, n, params, children, scored)
-        with output_rows(model, rows.rows):
+        with select_output_rows(model, rows.rows):
             output = model(ids.unsqueeze(0), params.positions.unsqueeze(0), attention_mask=None,
                            packed_seq_params=params)
 

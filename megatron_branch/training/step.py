@@ -24,8 +24,9 @@ from megatron_branch._megatron import finalize_model_grads, parallel_state
 from megatron_branch.cpu import cuda_factories_on_cpu
 from megatron_branch.training.schedule import LossFn, MicroBatch, as_micro_batch, forward_backward, token_count
 from megatron_branch.replay.step import replay_step, split_loss
-from megatron_branch.scoring.vocab import unwrap
-from megatron_branch.training.ddp import as_chunks, is_megatron_ddp, zero_grads
+from megatron_branch.model import unwrap
+from megatron_branch.model import as_chunks, is_megatron_ddp
+from megatron_branch.training.ddp import zero_grads
 from megatron_branch.training.optimizer import check_optimizer, optimizer_step
 
 

@@ -20,7 +20,7 @@ CPU flash kernel through SDPA or the cascade's piece calls), so ratios measure m
 
 On a Mixture-of-Experts model the naive batch masks its padding out of the router
 statistics (:func:`megatron_branch.spec.moe.naive_moe_logprobs`) and the tree methods run
-:func:`megatron_branch.spec.moe.replay_step` (streaming collects the router counts first).
+:func:`megatron_branch.replay_step` (streaming collects the router counts first).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from megatron_branch.flops import causal_pairs
-from megatron_branch.reference.naive import batched_rollout_logprobs
+from megatron_branch.reference.naive import batched_rollout_logprobs, naive_moe_logprobs
 from megatron_branch.replay import replay_step
 from megatron_branch.commands.synthetic import RolloutBatch
 from megatron_branch.tree import BranchTree
@@ -102,11 +102,7 @@ def prepare_methods(
     all_ids = torch.arange(num)
 
     moe = bool(getattr(models["cascade"].config, "num_moe_experts", None))
-    if moe:
-        from megatron_branch.spec.moe import naive_moe_logprobs as naive_logprobs
-        from megatron_branch.spec.moe import replay_step as step
-    else:
-        naive_logprobs, step = batched_rollout_logprobs, replay_step
+    naive_logprobs, step = (naive_moe_logprobs if moe else batched_rollout_logprobs), replay_step
 
     width = lmax - 1
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 from typing import Dict, List
 
-import torch
 
 CATEGORIES = (
     ("attention kernel", ("scaled_dot_product", "flash_attention", "efficient_attention")),

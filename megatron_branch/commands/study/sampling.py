@@ -19,7 +19,7 @@ from typing import List, Sequence
 import torch
 from torch import Tensor
 
-from megatron_branch.scoring.output_rows import output_rows
+from megatron_branch.scoring.output_rows import select_output_rows
 from megatron_branch.tree import BranchTree
 from megatron_branch.scoring.unit import prepare_unit
 
@@ -57,7 +57,7 @@ def next_tokens(model, seqs: Sequence[Tensor], generator: torch.Generator, vocab
     last = tree.rows[torch.arange(tree.num_rollouts), tree.lengths - 1]  # [n] packed index of each end
     rows, inverse = torch.unique(last, return_inverse=True)  # equal prefixes share one row
     params, ids = prepare_unit(model, tree, 0, tree.unique_positions)
-    with output_rows(model, rows):
+    with select_output_rows(model, rows):
         logits = model(ids.unsqueeze(0), params.positions.unsqueeze(0), attention_mask=None,
                        packed_seq_params=params)[0]  # [len(rows), V]
     probs = torch.softmax(logits.float()[inverse][:, :vocab_size], -1)  # [n, V]

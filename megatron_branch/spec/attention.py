@@ -1,0 +1,72 @@
+"""``apply_branch_attention``: tree attention in the attention slots of any layer spec.
+
+Installs the two modules beside it: :class:`~megatron_branch.spec.self_attention.BranchSelfAttention`
+(RoPE at tree depths) and :class:`~megatron_branch.spec.core_attention.BranchCoreAttention`
+(the ``core_attention`` slot). :func:`check_tree_attention` is the matching model check.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+from megatron_branch._megatron import ModuleSpec, SelfAttention
+from megatron_branch.spec.core_attention import BACKENDS, BranchCoreAttention
+from megatron_branch.spec.layers import map_layers
+from megatron_branch.spec.self_attention import BranchSelfAttention
+
+
+def apply_branch_attention(
+    spec, backend: str = "cascade", chunk_size: Optional[int] = None, kernel: Optional[str] = None
+):
+    """A copy of any Megatron GPT layer or block spec with tree attention in every layer.
+
+    Accepts what GPTModel accepts as ``transformer_layer_spec``: a layer ``ModuleSpec``, a
+    ``TransformerBlockSubmodules`` (e.g. ``get_gpt_decoder_block_spec`` for MoE layer
+    patterns) or a ``ModuleSpec`` of a ``TransformerBlock``. In each layer,
+    ``self_attention.module`` becomes :class:`BranchSelfAttention` and its
+    ``core_attention`` :class:`BranchCoreAttention`; nothing else changes, so parameter
+    names and shapes are the original spec's.
+
+    Raises:
+        ValueError: a layer whose self-attention is not Megatron's ``SelfAttention``
+            (multi-latent attention, experimental attention variants).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
+    core = ModuleSpec(module=BranchCoreAttention, params={"backend": backend, "chunk_size": chunk_size, "kernel": kernel})
+    return map_layers(spec, lambda layer: _with_branch_attention(layer, core))
+
+
+def _with_branch_attention(layer: ModuleSpec, core: ModuleSpec) -> ModuleSpec:
+    # Copy only the path to the two slots: every other slot stays the very object of the
+    # original spec (megatron-core 0.17+ builds MLP slots with functools.partial, which
+    # compares unequal once deep-copied).
+    attn = layer.submodules.self_attention
+    if not (isinstance(attn.module, type) and issubclass(attn.module, SelfAttention)):
+        name = getattr(attn.module, "__name__", type(attn.module).__name__)
+        raise ValueError(f"self_attention: {name} is not Megatron's SelfAttention; the branch spec "
+                         "replaces only its core attention (MLA and attention variants are not supported)")
+    attn_sub = copy.copy(attn.submodules)
+    attn_sub.core_attention = core
+    new_attn = copy.copy(attn)
+    new_attn.module, new_attn.submodules, new_attn.params = BranchSelfAttention, attn_sub, dict(attn.params)
+    layer_sub = copy.copy(layer.submodules)
+    layer_sub.self_attention = new_attn
+    new_layer = copy.copy(layer)
+    new_layer.submodules, new_layer.params = layer_sub, dict(layer.params)
+    return new_layer
+
+
+def is_branch_model(model) -> bool:
+    """True if ``model`` (possibly wrapped) contains tree attention layers."""
+    return any(isinstance(m, BranchCoreAttention) for m in model.modules())
+
+
+def check_tree_attention(model) -> None:
+    """Raise ``ValueError`` unless ``model`` (possibly wrapped) has tree attention layers."""
+    if not is_branch_model(model):
+        raise ValueError(
+            "model: not built with megatron_branch.get_branch_layer_spec (no tree attention "
+            "layers); positions and visibility would be wrong"
+        )

@@ -1,0 +1,215 @@
+"""``BranchTopKRouter``: Megatron's top-k router with the naive batch's statistics.
+
+The ``router`` slot of Megatron's ``MoESubmodules``. See :mod:`megatron_branch.spec.moe`
+for the statistics it reproduces and :mod:`.statistics` for how they are counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+from torch import Tensor
+
+from megatron_branch._megatron import (
+    MOE_GLOBAL_AUX_LOG_FLAG,
+    MOE_PER_TOKEN_SCALE_TIMES_TP_CP,
+    MOE_SEQ_AUX_COUNTS_MICRO_BATCH,
+    MOE_Z_LOSS_LOG_AVG,
+    MoEAuxLossAutoScaler,
+    TopKRouter,
+    record_moe_metric,
+)
+from megatron_branch.spec.moe.statistics import LayerCounts, RoutingStatistics, TreeTokens, all_reduce
+
+BATCH_ROUTING = ("sinkhorn", "quantile_balancing")
+
+
+class BranchTopKRouter(TopKRouter):
+    """Megatron's ``TopKRouter`` whose batch statistics weight tree tokens by multiplicity.
+
+    Routing is the stock code path (``TopKRouter.routing``); in a tree forward the hooks
+    it calls for the z-loss, the three aux losses and the expert-bias counts are replaced
+    by weighted versions (see the module docstring for each definition). Without tree
+    data (ordinary batches) every hook is Megatron's own.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        routing = self.routing_type if isinstance(self.routing_type, list) else [self.routing_type]
+        bad = [r for r in routing if r in BATCH_ROUTING]
+        if bad:
+            raise ValueError(f"moe_router_load_balancing_type={bad[0]!r}: routes each token by a balancing over "
+                             "the whole micro-batch, so a tree (unique tokens) routes differently from the naive "
+                             "batch; use 'aux_loss', 'seq_aux_loss', 'global_aux_loss' or 'none'")
+        if self.config.moe_input_jitter_eps is not None:
+            raise ValueError("moe_input_jitter_eps: random router input noise differs between the tree's single "
+                             "copy of a shared token and the naive batch's copies (like dropout); set it to None")
+        if getattr(self.config, "moe_router_force_load_balancing", False):
+            raise ValueError("moe_router_force_load_balancing: random routing (a benchmark mode) cannot be exact")
+        self._tree: Optional[TreeTokens] = None
+        self._stats: Optional[RoutingStatistics] = None
+        self._collect: Optional[RoutingStatistics] = None
+        self.tokens_per_expert: Optional[Tensor] = None  # [E] float64, see routers.tokens_per_expert()
+
+    # -- what the router is told per forward and per step
+    @contextlib.contextmanager
+    def tree_forward(self, tokens: TreeTokens) -> Iterator[None]:
+        """Inside, this router's statistics weight ``tokens`` by multiplicity (one forward)."""
+        self._tree = tokens
+        try:
+            yield
+        finally:
+            self._tree = None
+
+    def use_statistics(self, statistics: Optional[RoutingStatistics]) -> None:
+        """The step's whole-tree counts for forwards that hold part of the tree (``None``: none)."""
+        self._stats = statistics
+
+    def collect_into(self, statistics: Optional[RoutingStatistics]) -> None:
+        """Record every tree forward's routing into ``statistics`` (``None``: stop)."""
+        self._collect = statistics
+
+    # -- helpers
+    def _num_layers(self) -> int:
+        return self.config.num_layers + (self.config.mtp_num_layers or 0)
+
+    def _per_token(self, tokens: TreeTokens, tp_cp: int) -> float:
+        """Megatron's ``calculate_per_token_loss`` factor of the z-loss: the naive
+        micro-batch's token count on this rank (an even split over TP x CP), as the
+        installed release scales it."""
+        if not self.config.calculate_per_token_loss:
+            return 1.0
+        return tokens.total / tp_cp * (tp_cp if MOE_PER_TOKEN_SCALE_TIMES_TP_CP else 1)
+
+    def _statistics(self, tokens: TreeTokens) -> LayerCounts:
+        stats = self._stats
+        if stats is None:
+            raise ValueError(
+                "moe aux loss: this forward holds part of the tree (streaming replay), and the aux loss needs "
+                "the whole tree's expert counts; use megatron_branch.replay_step (it collects them with one "
+                "forward-only pass), or collect_routing_statistics + routing_statistics")
+        if stats.tree is not tokens.tree:
+            raise ValueError("routing statistics: collected for another tree")
+        return stats.counts(self)
+
+    def _weighted(self, x: Tensor, tokens: TreeTokens) -> Tensor:
+        return x * tokens.weights.to(x.dtype)[:, None]
+
+    def _expert_counts(self, tokens: TreeTokens, routing_map: Tensor, dp: bool = False) -> Tensor:
+        if not tokens.complete:
+            counts = self._statistics(tokens)
+            return counts.experts_dp if dp else counts.experts
+        local = self._weighted(routing_map.double(), tokens).sum(0)
+        return all_reduce(local, self.tp_dp_cp_group if dp else self.tp_cp_group)
+
+    def _rollout_counts(self, tokens: TreeTokens, routing_map: Tensor) -> Tensor:
+        if not tokens.complete:
+            return self._statistics(tokens).rollouts
+        return all_reduce(tokens.sums.per_rollout(routing_map.double()), self.tp_cp_group)
+
+    # -- the hooks TopKRouter.routing calls
+    def routing(self, logits: Tensor, padding_mask: Optional[Tensor] = None):
+        tokens = self._tree
+        if tokens is not None:
+            if padding_mask is not None:
+                raise ValueError("padding_mask: tree forwards have no padding mask (padding has multiplicity 0)")
+            if self._collect is not None:
+                self._collect.add(self, tokens, logits)
+        return super().routing(logits, padding_mask)
+
+    def apply_z_loss(self, logits: Tensor, padding_mask: Optional[Tensor] = None) -> Tensor:
+        tokens = self._tree
+        if tokens is None:
+            return super().apply_z_loss(logits, padding_mask)
+        coeff = self.config.moe_z_loss_coeff
+        if coeff is None or not self.training or not torch.is_grad_enabled():
+            return logits
+        tp_cp = self.tp_cp_group.size()
+        # [n, E] -> [n]: z_x = logsumexp(logits_x)^2, weighted; this forward's share of c / T sum_x z_x
+        z = torch.logsumexp(logits, dim=-1).square()
+        z_loss = (z * tokens.weights.to(z.dtype)).sum() * (coeff / tokens.total)
+        logits = MoEAuxLossAutoScaler.apply(logits, z_loss * self._per_token(tokens, tp_cp))
+        record_moe_metric("z_loss", z_loss / (coeff / tp_cp), self.layer_number, self._num_layers(),
+                          avg_group=self.tp_dp_cp_group if MOE_Z_LOSS_LOG_AVG else None)
+        return logits
+
+    def _apply_aux_loss(self, probs, scores_for_aux_loss, routing_map, with_padding_mask=False):
+        tokens = self._tree
+        if tokens is None:
+            return super()._apply_aux_loss(probs, scores_for_aux_loss, routing_map, with_padding_mask)
+        coeff = self.get_aux_loss_coeff("aux_loss")
+        if coeff == 0:
+            return probs
+        num, total = self.config.num_moe_experts, tokens.total
+        counts = self._expert_counts(tokens, routing_map)  # [E], the whole naive batch
+        share = self._weighted(scores_for_aux_loss, tokens).sum(0)  # [E], this forward's tokens
+        aux = (share * counts.to(share.dtype)).sum() * (num * coeff / (self.topk * total * total))
+        return self.attach_and_log_load_balancing_loss(
+            probs, coeff, aux, "load_balancing_loss", self.tp_cp_group,
+            valid_token_count=self._valid(tokens))
+
+    def _apply_seq_aux_loss(self, probs, scores_for_aux_loss, routing_map, seq_length, bsz,
+                            with_padding_mask=False):
+        tokens = self._tree
+        if tokens is None:
+            return super()._apply_seq_aux_loss(probs, scores_for_aux_loss, routing_map, seq_length, bsz,
+                                               with_padding_mask)
+        coeff = self.get_aux_loss_coeff("seq_aux_loss")
+        if coeff == 0:
+            return probs
+        num, total, rollouts = self.config.num_moe_experts, tokens.total, tokens.tree.num_rollouts
+        per_rollout = self._rollout_counts(tokens, routing_map)  # [R, E]
+        # [n, E]: sum of F_re over the rollouts r containing each token
+        weight = tokens.sums.per_token(per_rollout.to(scores_for_aux_loss.device)).to(scores_for_aux_loss.dtype)
+        aux = (scores_for_aux_loss * weight).sum() * (num * coeff * rollouts / (self.topk * total * total))
+        tp_cp = self.tp_cp_group.size()
+        valid = total / tp_cp if MOE_SEQ_AUX_COUNTS_MICRO_BATCH else total / (tp_cp * rollouts)
+        return self.attach_and_log_load_balancing_loss(
+            probs, coeff, aux, "seq_load_balancing_loss", self.tp_cp_group, valid_token_count=valid)
+
+    def _apply_global_aux_loss(self, probs, scores_for_aux_loss, routing_map, with_padding_mask=False):
+        tokens = self._tree
+        if tokens is None:
+            return super()._apply_global_aux_loss(probs, scores_for_aux_loss, routing_map, with_padding_mask)
+        coeff = self.get_aux_loss_coeff("global_aux_loss")
+        if coeff == 0:
+            return probs
+        counts = self._expert_counts(tokens, routing_map, dp=True)  # [E] over TP x CP x DP
+        if self._first_global_forward(tokens):
+            self.global_tokens_per_expert += counts.to(self.global_tokens_per_expert.dtype)
+            self.ga_steps += 1
+        average = self.global_tokens_per_expert / self.ga_steps
+        total = float(counts.sum()) / self.topk
+        share = self._weighted(scores_for_aux_loss, tokens).sum(0)
+        aux = (share * average.to(share.dtype)).sum() * (
+            self.config.num_moe_experts * coeff / (self.topk * total * total))
+        return self.attach_and_log_load_balancing_loss(
+            probs, coeff, aux, "global_load_balancing_loss", self.tp_dp_cp_group,
+            valid_token_count=self._valid(tokens), **MOE_GLOBAL_AUX_LOG_FLAG)
+
+    def _valid(self, tokens: TreeTokens) -> float:
+        # attach_and_log_load_balancing_loss applies the release's own per-token scaling to it
+        return tokens.total / self.tp_cp_group.size()
+
+    def _first_global_forward(self, tokens: TreeTokens) -> bool:
+        if tokens.complete:
+            return True  # one forward = one micro-batch
+        return self._stats.first_global_forward(self)
+
+    def _apply_expert_bias(self, routing_map: Tensor, padding_mask: Optional[Tensor] = None):
+        tokens = self._tree
+        if not torch.is_grad_enabled():  # eval, and the first pass of activation recompute
+            return
+        with torch.no_grad():
+            if tokens is not None:
+                counts = self._weighted(routing_map.float(), tokens).sum(0)
+            else:
+                kept = routing_map if padding_mask is None else routing_map & ~padding_mask[:, None]
+                counts = kept.float().sum(0)
+            if self.tokens_per_expert is None:
+                self.tokens_per_expert = torch.zeros_like(counts, dtype=torch.float64)
+            self.tokens_per_expert += counts.double()
+            if self.enable_expert_bias:
+                self.local_tokens_per_expert += counts.to(self.local_tokens_per_expert.dtype)
