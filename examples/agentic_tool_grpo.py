@@ -25,10 +25,10 @@ warnings.filterwarnings("ignore")
 
 from megatron_branch import enable_cpu, losses  # noqa: E402
 from megatron_branch.agentic import Turn, assemble, group_turn_advantages  # noqa: E402
-from megatron_branch.distributed import init_distributed  # noqa: E402
-from megatron_branch.spec.builders import build_gpt, llama_config  # noqa: E402
 from megatron_branch.commands.plots import reward_curve  # noqa: E402
 from megatron_branch.commands.synthetic import policy_update, sample_continuations  # noqa: E402
+from megatron_branch.distributed import init_distributed  # noqa: E402
+from megatron_branch.spec.builders import build_gpt, llama_config  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -23,10 +23,10 @@ warnings.filterwarnings("ignore")
 
 import megatron_branch as mb  # noqa: E402
 from megatron_branch import losses  # noqa: E402
-from megatron_branch.distributed import init_distributed  # noqa: E402
-from megatron_branch.spec.builders import build_gpt, llama_config  # noqa: E402
 from megatron_branch.commands.plots import reward_curve  # noqa: E402
 from megatron_branch.commands.synthetic import policy_update, sample_continuations  # noqa: E402
+from megatron_branch.distributed import init_distributed  # noqa: E402
+from megatron_branch.spec.builders import build_gpt, llama_config  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -62,13 +62,12 @@ import megatron_branch as mb  # noqa: E402
 from megatron_branch import losses  # noqa: E402
 from megatron_branch._megatron import OptimizerConfig, parallel_state  # noqa: E402
 from megatron_branch.attention.context_parallel import balance_report, shard_bounds  # noqa: E402
-from megatron_branch.distributed import destroy_distributed, heartbeat, init_distributed, run_main  # noqa: E402
-from megatron_branch.training.finite_guard import FiniteGuard  # noqa: E402
-from megatron_branch.spec.builders import build_gpt, llama_config  # noqa: E402
-from megatron_branch.reference.naive import make_naive_forward_step  # noqa: E402
-from megatron_branch.full_state import full_state, load_full_state  # noqa: E402
-from megatron_branch.training.schedule import forward_backward  # noqa: E402
 from megatron_branch.commands.synthetic import branching_rollouts  # noqa: E402
+from megatron_branch.distributed import destroy_distributed, heartbeat, init_distributed, run_main  # noqa: E402
+from megatron_branch.full_state import full_state, load_full_state  # noqa: E402
+from megatron_branch.reference.naive import make_naive_forward_step  # noqa: E402
+from megatron_branch.scoring.unit import linear_weight  # noqa: E402
+from megatron_branch.spec.builders import build_gpt, llama_config  # noqa: E402
 from megatron_branch.training import (  # noqa: E402
     check_load_dir,
     check_save_dir,
@@ -80,7 +79,8 @@ from megatron_branch.training import (  # noqa: E402
     save_checkpoint,
     wrap_ddp,
 )
-from megatron_branch.scoring.unit import linear_weight  # noqa: E402
+from megatron_branch.training.finite_guard import FiniteGuard  # noqa: E402
+from megatron_branch.training.schedule import forward_backward  # noqa: E402
 
 
 class _Parser(argparse.ArgumentParser):

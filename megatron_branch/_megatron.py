@@ -17,12 +17,13 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 vocab_parallel_cross_entropy = tensor_parallel.vocab_parallel_cross_entropy
@@ -45,6 +46,8 @@ except ImportError:  # 0.16: a module-level dict
     _metrics_tracker = None
     from megatron.core.transformer.moe.moe_utils import (  # noqa: E402
         get_moe_layer_wise_logging_tracker as _layer_wise_tracker,
+    )
+    from megatron.core.transformer.moe.moe_utils import (
         save_to_aux_losses_tracker as _save_to_tracker,
     )
 
@@ -140,6 +143,7 @@ __all__ = [
     "TransformerLayerSubmodules",
     "clear_moe_logged_metrics",
     "compute_routing_scores_for_aux_loss",
+    "get_forward_backward_func",
     "get_gpt_decoder_block_spec",
     "get_gpt_layer_local_spec",
     "get_gpt_layer_with_transformer_engine_spec",

@@ -11,10 +11,9 @@ Other failures print one line and exit 1. ``--debug`` (before or after the comma
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
-
-import importlib
 
 from megatron_branch.atomic import check_output_dir, check_output_file
 from megatron_branch.commands.preflight import OneLineParser as _Parser

@@ -58,6 +58,8 @@ from typing import List
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_branch._deps import HAVE_TE
+
 _APPLIED: List[str] = []
 
 
@@ -166,8 +168,6 @@ def enable_cpu(seed: int = 1234) -> List[str]:
 
     from megatron.core import utils as mcore_utils
     from megatron.core.tensor_parallel import random as mcore_random
-
-    from megatron_branch._deps import HAVE_TE
 
     tracker = CpuRNGStatesTracker()
     tracker.add(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed)

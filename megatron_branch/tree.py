@@ -149,13 +149,22 @@ class BranchTree:
             share_limit: tokens at depth ``>= share_limit[r]`` of rollout ``r`` are never
                 shared (an int applies to all). ``0`` packs without deduplication; the
                 prompt length shares only prompts. For baselines and benchmarks.
+            loss_masks: per rollout, a 0/1 mask of its tokens (same length as the
+                rollout): 1 where the loss reads the token's log-prob (the policy's
+                tokens), 0 where it does not (the prompt, tool or environment output in an
+                agentic rollout). A token shared by rollouts has one origin, so every
+                rollout containing it must give it the same value. Stored per unique
+                token as ``loss_mask [U]``; :meth:`rollout_loss_mask` gives the
+                ``[R, max_len - 1]`` mask a loss takes.
 
         Returns:
             The packed tree.
 
         Raises:
-            ValueError: no rollouts, an empty/non-1-D/non-integer rollout, or a token id
-                outside ``[0, vocab_size)``; the message names the rollout.
+            ValueError: no rollouts, an empty/non-1-D/non-integer rollout, a token id
+                outside ``[0, vocab_size)``, a ``loss_masks`` entry of the wrong length or
+                not 0/1, or a shared token that rollouts mask differently; the message
+                names the rollout (and position).
         """
         if isinstance(sequences, torch.Tensor) and sequences.dim() == 2:
             sequences = list(sequences)

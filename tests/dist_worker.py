@@ -163,11 +163,15 @@ def run_moe_case(model, name, chunk):
     two summed over TP x CP (the z-loss averaged), as Megatron's report reduces them."""
     import megatron_branch as mb
     from megatron_branch import rollout_logprobs
+    from megatron_branch._megatron import (
+        clear_moe_logged_metrics,
+        finalize_model_grads,
+        moe_logged_metrics,
+        parallel_state,
+    )
+    from megatron_branch.cpu import cuda_factories_on_cpu
     from megatron_branch.full_state import full_state
     from megatron_branch.spec import moe
-    from megatron_branch._megatron import (clear_moe_logged_metrics, finalize_model_grads, moe_logged_metrics,
-                                           parallel_state)
-    from megatron_branch.cpu import cuda_factories_on_cpu
 
     batch, tree = trees()[MOE_TREES[name]]
     loss_fn = make_loss(batch)

@@ -6,14 +6,13 @@ import os
 
 import pytest
 import torch
+from conftest import VOCAB, make_pair
 
 import megatron_branch as mb
 from megatron_branch import losses
 from megatron_branch.agentic import Turn, assemble, group_turn_advantages
-from megatron_branch.reference.naive import naive_rollout_logprobs
 from megatron_branch.reference.agreement import compare_grads, grads
-
-from conftest import VOCAB, make_pair
+from megatron_branch.reference.naive import naive_rollout_logprobs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

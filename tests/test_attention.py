@@ -167,10 +167,10 @@ def test_pieces_cover_every_visible_pair_once():
 def test_math_kernel_tiles_by_default_and_stays_exact(monkeypatch):
     """The GPU fallback kernel materialises float32 scores; without a chunk size its pieces
     are tiled to MATH_TILE x MATH_TILE, so no score block grows with the stem."""
+    from conftest import make_pair
+
     import megatron_branch as mb
     from megatron_branch.spec import core_attention
-
-    from conftest import make_pair
 
     tree = _prompt_tails_tree(prompt=700, tails=3, tail_len=20)
     branch, _ = make_pair(kernel="math")
@@ -189,12 +189,12 @@ def test_math_kernel_tiles_by_default_and_stays_exact(monkeypatch):
 
 
 def test_fp8_pads_units_and_cp_shards_to_16_invisibly():
+    from conftest import make_pair
+
     import megatron_branch as mb
+    from megatron_branch.scoring.unit import unit_multiple
     from megatron_branch.spec.builders import llama_config
     from megatron_branch.spec.packed_seq import BranchPackedSeqParams
-    from megatron_branch.scoring.unit import unit_multiple
-
-    from conftest import make_pair
 
     assert unit_multiple(llama_config(fp8="hybrid")) == 16
     assert unit_multiple(llama_config(fp8="hybrid", tensor_model_parallel_size=2, sequence_parallel=True)) == 32

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from megatron_branch.flops import ModelShape, causal_pairs, step_flops
 from megatron_branch.commands.bench.run import BenchConfig, Shape, format_table, plot, run_bench
+from megatron_branch.flops import ModelShape, causal_pairs, step_flops
 
 TREE_METHODS = {"packed", "prompt_once", "dense_tree", "ours", "ours_stream"}
 

@@ -21,11 +21,12 @@ import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
+from torchrun import ROOT, TRAIN, run_example
 
 from megatron_branch import losses
 from megatron_branch._megatron import OptimizerConfig
-from megatron_branch.spec.builders import build_gpt, llama_config
 from megatron_branch.commands.synthetic import branching_rollouts
+from megatron_branch.spec.builders import build_gpt, llama_config
 from megatron_branch.training import (
     check_load_dir,
     check_save_dir,
@@ -37,7 +38,6 @@ from megatron_branch.training import (
     train_step,
     wrap_ddp,
 )
-from torchrun import ROOT, TRAIN, run_example
 
 VOCAB = 128
 

@@ -10,14 +10,14 @@ micro-batches) run twice, its dumps compared bit for bit.
 import pytest
 import torch
 from safetensors.torch import load_file
+from torchrun import run_example
 
 import megatron_branch as mb
 from megatron_branch import losses
 from megatron_branch._megatron import OptimizerConfig
-from megatron_branch.spec.builders import build_gpt, llama_config
 from megatron_branch.commands.synthetic import branching_rollouts
+from megatron_branch.spec.builders import build_gpt, llama_config
 from megatron_branch.training import get_optimizer, plan_data_parallel, train_step, wrap_ddp
-from torchrun import run_example
 
 VOCAB = 128
 

@@ -6,15 +6,14 @@ GRPO loss with per-rollout advantages.
 
 import pytest
 import torch
+from conftest import VOCAB, make_pair, rand_seq
 
 import megatron_branch as mb
 from megatron_branch import losses
-from megatron_branch.reference.naive import batched_rollout_logprobs, naive_rollout_logprobs
 from megatron_branch.commands.synthetic import branching_rollouts
 from megatron_branch.reference.agreement import check_against_naive
+from megatron_branch.reference.naive import batched_rollout_logprobs, naive_rollout_logprobs
 from megatron_branch.scoring.logprobs import per_rollout, unique_token_logprobs
-
-from conftest import VOCAB, make_pair, rand_seq
 
 LP_TOL = 1e-5
 GRAD_TOL = 1e-5

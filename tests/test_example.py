@@ -2,7 +2,6 @@
 
 import pytest
 from safetensors.torch import load_file
-
 from torchrun import run_example
 
 

@@ -21,14 +21,14 @@ import time
 import psutil
 import pytest
 import torch
+from torchrun import ROOT, TRAIN
 
 import megatron_branch as mb
 from megatron_branch import cli, losses
-from megatron_branch.distributed import default_timeout, free_port, run_main
-from megatron_branch.training.finite_guard import FiniteGuard, NonFiniteError
-from megatron_branch.spec.builders import build_gpt, llama_config
 from megatron_branch.commands.synthetic import branching_rollouts
-from torchrun import ROOT, TRAIN
+from megatron_branch.distributed import default_timeout, free_port, run_main
+from megatron_branch.spec.builders import build_gpt, llama_config
+from megatron_branch.training.finite_guard import FiniteGuard, NonFiniteError
 
 VOCAB = 128
 

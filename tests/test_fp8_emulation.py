@@ -6,11 +6,11 @@ import torch
 
 import megatron_branch as mb
 from megatron_branch import losses
-from megatron_branch.integrations.fp8 import emulate_fp8
-from megatron_branch.spec.builders import build_gpt, llama_config
-from megatron_branch.reference.naive import naive_rollout_logprobs
 from megatron_branch.commands.synthetic import branching_rollouts
+from megatron_branch.integrations.fp8 import emulate_fp8
 from megatron_branch.reference.agreement import grads
+from megatron_branch.reference.naive import naive_rollout_logprobs
+from megatron_branch.spec.builders import build_gpt, llama_config
 
 
 def _rel(a, b):

@@ -3,6 +3,7 @@
 import json
 import os
 
+import dist_worker
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -10,12 +11,10 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import megatron_branch as mb
+from megatron_branch.commands.synthetic import branching_rollouts
 from megatron_branch.distributed import free_port
 from megatron_branch.hf.convert import export_hf, import_hf, load_megatron
 from megatron_branch.hf.mapping import megatron_args_from_hf
-from megatron_branch.commands.synthetic import branching_rollouts
-
-import dist_worker
 
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)

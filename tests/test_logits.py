@@ -3,14 +3,13 @@ parents, and the scored log-probs and every gradient are unchanged."""
 
 import pytest
 import torch
+from conftest import VOCAB, make_pair
 
 import megatron_branch as mb
 from megatron_branch import losses
-from megatron_branch.reference.naive import naive_rollout_logprobs
 from megatron_branch.commands.synthetic import branching_rollouts
 from megatron_branch.reference.agreement import compare_grads, grads
-
-from conftest import VOCAB, make_pair
+from megatron_branch.reference.naive import naive_rollout_logprobs
 
 
 def rows_seen(model):

@@ -8,8 +8,8 @@ import torch
 
 import megatron_branch as mb
 from megatron_branch.attention import kernels
-from megatron_branch.spec.builders import build_gpt, llama_config
 from megatron_branch.replay.plan import path_capacity, plan_replay
+from megatron_branch.spec.builders import build_gpt, llama_config
 
 VOCAB = 32
 

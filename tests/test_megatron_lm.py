@@ -22,10 +22,10 @@ import sys
 
 import pytest
 import torch
-
 from conftest import make_pair
-from megatron_branch.distributed import free_port
+
 from megatron_branch.commands.synthetic import branching_rollouts
+from megatron_branch.distributed import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATCHES = os.path.join(ROOT, "patches", "megatron-lm-core_v0.16.1")
@@ -239,9 +239,8 @@ def rl_step(model, ref_state, branch_replay, configure, perturb):
 
     Returns ``(micro-batches, per-token losses, (loss_sum, tokens, clipped tokens))``;
     gradients land in ``model``'s ``.grad``."""
-    from megatron.rl import rl_utils
-
     import train_rl
+    from megatron.rl import rl_utils
 
     configure(branch_replay, bf16=next(model.parameters()).dtype == torch.bfloat16)
     ref_state = {k: ref_state[stock_name(k)] for k in model.state_dict()}
@@ -320,8 +319,8 @@ def test_rl_branch_replay_refusals(megatron_rl, overrides, flag):
 def test_args_branch_spec_resolves_from_megatron_lm_arguments(megatron_rl):
     from megatron.training import get_args
 
-    from megatron_branch.spec.core_attention import BranchCoreAttention
     from megatron_branch.integrations.megatron_lm import ArgsBranchSpec
+    from megatron_branch.spec.core_attention import BranchCoreAttention
 
     megatron_rl(False)
     args = get_args()

@@ -10,9 +10,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import make_pair
-from megatron_branch.spec.core_attention import BranchCoreAttention
+
 from megatron_branch.integrations.megatron_lm import branch_spec_from_args
 from megatron_branch.integrations.megatron_rl import (
     replay_trajectory_logprobs,
@@ -20,8 +19,9 @@ from megatron_branch.integrations.megatron_rl import (
     trajectory_logprobs,
     trajectory_tree,
 )
-from megatron_branch.spec.builders import llama_config
 from megatron_branch.reference.naive import naive_rollout_logprobs
+from megatron_branch.spec.builders import llama_config
+from megatron_branch.spec.core_attention import BranchCoreAttention
 from megatron_branch.spec.self_attention import BranchSelfAttention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -6,11 +6,11 @@ the per-expert token counts equal too. The naive batch is :func:`megatron_branch
 (right-padded, Megatron's MoE padding mask, so padding is not counted).
 """
 
+import dist_worker
 import pytest
 import torch
 
 import megatron_branch as mb
-from megatron_branch.spec import moe
 from megatron_branch._megatron import (
     GPTModel,
     ModuleSpec,
@@ -19,10 +19,8 @@ from megatron_branch._megatron import (
     clear_moe_logged_metrics,
     moe_logged_metrics,
 )
-from megatron_branch.distributed import free_port
-from megatron_branch.spec.builders import build_gpt, llama_config
-from megatron_branch.spec import apply_branch_attention
 from megatron_branch.commands.synthetic import branching_rollouts
+from megatron_branch.distributed import free_port
 from megatron_branch.full_state import full_state
 from megatron_branch.reference.agreement import compare_grads, grads
 from megatron_branch.reference.bias import token_dropping_bias
@@ -30,8 +28,8 @@ from megatron_branch.reference.naive import naive_moe_logprobs
 from megatron_branch.replay.plan import plan_replay
 from megatron_branch.replay.routing import needs_routing_statistics
 from megatron_branch.scoring.unit import forward_unit
-
-import dist_worker
+from megatron_branch.spec import apply_branch_attention, moe
+from megatron_branch.spec.builders import build_gpt, llama_config
 
 VOCAB = 128
 TOL = 1e-5

@@ -5,6 +5,7 @@ Megatron's DDP) and its per-rollout log-probs are compared with one process runn
 same step.
 """
 
+import dist_worker
 import pytest
 import torch
 
@@ -13,8 +14,6 @@ from megatron_branch.attention.context_parallel import shard_bounds, shard_work
 from megatron_branch.distributed import free_port
 from megatron_branch.full_state import full_state
 from megatron_branch.reference.agreement import compare_grads
-
-import dist_worker
 
 TOL = 1e-5
 

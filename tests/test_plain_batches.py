@@ -7,12 +7,11 @@ refuses: compared with each sequence run alone) — fp32, 1e-5, values and gradi
 
 import pytest
 import torch
+from conftest import make_pair, rand_seq
 
 from megatron_branch._megatron import AttnMaskType, PackedSeqParams
-from megatron_branch.spec.core_attention import BranchCoreAttention
 from megatron_branch.spec.builders import llama_config
-
-from conftest import make_pair, rand_seq
+from megatron_branch.spec.core_attention import BranchCoreAttention
 
 TOL = 1e-5
 

@@ -5,10 +5,10 @@ import torch
 
 import megatron_branch as mb
 from megatron_branch import losses
-from megatron_branch.spec.builders import build_gpt, llama_config
-from megatron_branch.reference.naive import naive_rollout_logprobs
 from megatron_branch.commands.synthetic import branching_rollouts
 from megatron_branch.reference.agreement import grads
+from megatron_branch.reference.naive import naive_rollout_logprobs
+from megatron_branch.spec.builders import build_gpt, llama_config
 
 
 def _pair(bf16):

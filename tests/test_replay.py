@@ -2,17 +2,16 @@
 
 import pytest
 import torch
+from conftest import VOCAB, make_pair
 
 import megatron_branch as mb
 from megatron_branch import losses
-from megatron_branch.reference.naive import naive_rollout_logprobs
-from megatron_branch.reference.bias import prefix_grad_bias
-from megatron_branch.replay import plan_replay, replay_logprobs, replay_step
-from megatron_branch.replay.plan import last_token
 from megatron_branch.commands.synthetic import branching_rollouts
 from megatron_branch.reference.agreement import compare_grads, grads
-
-from conftest import VOCAB, make_pair
+from megatron_branch.reference.bias import prefix_grad_bias
+from megatron_branch.reference.naive import naive_rollout_logprobs
+from megatron_branch.replay import plan_replay, replay_logprobs, replay_step
+from megatron_branch.replay.plan import last_token
 
 TOL = 1e-5
 

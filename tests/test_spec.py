@@ -9,10 +9,10 @@ import torch
 
 import megatron_branch as mb
 from megatron_branch._megatron import SelfAttention, get_gpt_layer_local_spec
-from megatron_branch.spec.core_attention import BranchCoreAttention
-from megatron_branch.spec.builders import build_gpt, llama_config
-from megatron_branch.spec.self_attention import BranchSelfAttention
 from megatron_branch.spec import apply_branch_attention
+from megatron_branch.spec.builders import build_gpt, llama_config
+from megatron_branch.spec.core_attention import BranchCoreAttention
+from megatron_branch.spec.self_attention import BranchSelfAttention
 
 
 @pytest.mark.parametrize("qk_layernorm", [False, True])

@@ -5,10 +5,10 @@ import json
 
 import pytest
 import torch
+from conftest import make_pair
 
 import megatron_branch as mb
 from megatron_branch import losses
-from megatron_branch.reference.naive import naive_rollout_logprobs
 from megatron_branch.commands.study import report as rep
 from megatron_branch.commands.study import run as study_run
 from megatron_branch.commands.study.algos import get_algo, preference_pairs, tree_advantages
@@ -16,8 +16,7 @@ from megatron_branch.commands.study.run import RunRecord, StudyConfig, StudyErro
 from megatron_branch.commands.study.sampling import TreeSample
 from megatron_branch.commands.study.tasks import get_task, opener_tokens
 from megatron_branch.reference.agreement import compare_grads, grads
-
-from conftest import make_pair
+from megatron_branch.reference.naive import naive_rollout_logprobs
 
 ISSUE_KEYS = {"algo", "mode", "seed", "reward", "loss", "grad_norm", "bias_cosine", "seconds"}
 

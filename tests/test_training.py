@@ -7,10 +7,12 @@ import torch
 import megatron_branch as mb
 from megatron_branch import losses
 from megatron_branch._megatron import OptimizerConfig, finalize_model_grads
-from megatron_branch.cpu import cuda_factories_on_cpu
-from megatron_branch.spec.builders import build_gpt, llama_config
-from megatron_branch.reference.naive import naive_rollout_logprobs
 from megatron_branch.commands.synthetic import branching_rollouts
+from megatron_branch.cpu import cuda_factories_on_cpu
+from megatron_branch.reference.agreement import compare_grads
+from megatron_branch.reference.naive import naive_rollout_logprobs
+from megatron_branch.scoring.unit import linear_weight
+from megatron_branch.spec.builders import build_gpt, llama_config
 from megatron_branch.training import (
     forward_backward_step,
     get_optimizer,
@@ -19,8 +21,6 @@ from megatron_branch.training import (
     wrap_ddp,
 )
 from megatron_branch.training.batching import TreeMicroBatch
-from megatron_branch.scoring.unit import linear_weight
-from megatron_branch.reference.agreement import compare_grads
 
 VOCAB = 128
 TOL = 1e-5

@@ -15,7 +15,6 @@ import sys
 
 import pytest
 from safetensors.torch import load_file
-
 from torchrun import TRAIN, run_example
 
 DATA = ["--prompts", "48", "32", "40", "24", "--jitter", "6", "--adam-eps", "1e-6", "--seed", "3"]

@@ -104,9 +104,9 @@ def _main(argv=None) -> int:
 
     warnings.filterwarnings("ignore")
     import megatron_branch as mb
+    from megatron_branch.commands.progress import Progress
     from megatron_branch.distributed import init_distributed
     from megatron_branch.hf.convert import export_hf, import_hf
-    from megatron_branch.commands.progress import Progress
 
     mb.enable_cpu()
     init_distributed()

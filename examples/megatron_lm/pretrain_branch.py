@@ -74,10 +74,10 @@ import torch
 if os.environ.get("MEGATRON_LM_DIR") and os.environ["MEGATRON_LM_DIR"] not in sys.path:
     sys.path.insert(0, os.environ["MEGATRON_LM_DIR"])  # model_provider.py, gpt_builders.py
 
-from megatron_branch.losses import response_mask, sft_loss  # noqa: E402
-from megatron_branch.training.schedule import make_forward_step  # noqa: E402
 from megatron_branch.commands.synthetic import branching_rollouts  # noqa: E402
+from megatron_branch.losses import response_mask, sft_loss  # noqa: E402
 from megatron_branch.training.batching import TreeMicroBatch  # noqa: E402
+from megatron_branch.training.schedule import make_forward_step  # noqa: E402
 from megatron_branch.tree import BranchTree  # noqa: E402
 
 
@@ -178,11 +178,11 @@ def forward_step(data_iterator, model):
 
 
 def main() -> None:
+    from gpt_builders import gpt_builder
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
-
-    from gpt_builders import gpt_builder
     from model_provider import model_provider
+
     from megatron_branch.cpu import megatron_lm_on_cpu
 
     if "--calculate-per-token-loss" not in sys.argv:

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_branch.attention.context_parallel import all_gather_rows, reduce_scatter_rows
+
 if TYPE_CHECKING:
     from megatron_branch.attention.context_parallel import CPLayout
 
@@ -127,8 +129,6 @@ def prefix_forward(q, pk, pv, scale, fwd, q_block, k_block, cp: Optional["CPLayo
     """The path attention of this rank's queries: ``(out [n_local, h, d], lse [h, n_local])``."""
     if cp is None or cp.size == 1:
         return local_forward(q, pk, pv, scale, fwd, q_block, k_block)
-    from megatron_branch.attention.context_parallel import all_gather_rows, reduce_scatter_rows
-
     q_all = all_gather_rows(q.contiguous(), cp)  # [n_unit, h, d]
     o, l = local_forward(q_all, pk, pv, scale, fwd, q_block, k_block)
     m = l.clone()
@@ -148,8 +148,6 @@ def prefix_backward(dout, q, out, lse, pk, pv, scale, bwd, q_block, k_block, cp:
     """``(dq [n_local, h, d], dk [P_local, hk, d], dv)`` float32."""
     if cp is None or cp.size == 1:
         return local_backward(dout, q, out, lse, pk, pv, scale, bwd, q_block, k_block)
-    from megatron_branch.attention.context_parallel import all_gather_rows, reduce_scatter_rows
-
     q_all, do_all, o_all = (all_gather_rows(x.contiguous(), cp) for x in (q, dout, out))
     # [h, n_local] -> [n_local, h] rows -> [h, n_unit]
     lse_all = all_gather_rows(lse.transpose(0, 1).contiguous(), cp).transpose(0, 1).contiguous()

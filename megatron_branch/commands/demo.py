@@ -24,14 +24,14 @@ from typing import Callable, List, Optional
 import torch
 
 from megatron_branch import losses
-from megatron_branch.cpu import enable_cpu
-from megatron_branch.distributed import init_distributed
-from megatron_branch.scoring.logprobs import rollout_logprobs
-from megatron_branch.spec.builders import build_gpt, llama_config
 from megatron_branch.commands.bench.methods import causal_logprobs, naive_micro_batches
 from megatron_branch.commands.synthetic import branching_rollouts
-from megatron_branch.tree import BranchTree
+from megatron_branch.cpu import enable_cpu
+from megatron_branch.distributed import init_distributed
 from megatron_branch.reference.agreement import check_against_naive
+from megatron_branch.scoring.logprobs import rollout_logprobs
+from megatron_branch.spec.builders import build_gpt, llama_config
+from megatron_branch.tree import BranchTree
 
 
 @dataclass

@@ -7,6 +7,9 @@ from typing import List, Sequence
 
 import torch
 
+from megatron_branch.reference.naive import batched_rollout_logprobs
+from megatron_branch.replay import replay_step
+
 
 @dataclass
 class RolloutBatch:
@@ -103,9 +106,6 @@ def policy_update(model, optimizer, sequences, loss_fn, *, naive: bool, tree=Non
         time of forward, backward and step (sampling excluded).
     """
     import time
-
-    from megatron_branch.reference.naive import batched_rollout_logprobs
-    from megatron_branch.replay import replay_step
 
     optimizer.zero_grad(set_to_none=True)
     start = time.perf_counter()

@@ -84,7 +84,8 @@ def import_hf(hf_dir: str, megatron_path: str, dtype: str = "fp32", overwrite: b
             existing non-empty target (without ``overwrite``).
         OSError: a missing input, or a target that cannot be written.
     """
-    from megatron_branch.hf import build_from_hf_config, load_state
+    # heavy (megatron-core): imported once the inputs are checked, so bad input fails in a second
+    from megatron_branch.hf.model import build_from_hf_config, load_state
     from megatron_branch.training.checkpoint import save_sharded
 
     note = progress or (lambda _msg: None)
@@ -144,8 +145,9 @@ def load_megatron(megatron_path: str, **spec_kwargs):
         FileNotFoundError, ValueError: not a checkpoint of :func:`import_hf`, or one that is
             incomplete or corrupt (the directory named).
     """
+    # heavy (megatron-core): imported once the checkpoint is checked
     from megatron_branch._megatron import dist_checkpointing
-    from megatron_branch.hf import build_from_hf_config
+    from megatron_branch.hf.model import build_from_hf_config
 
     args = check_megatron_checkpoint(megatron_path)
     model, _ = build_from_hf_config(args["hf_config"], _dtype(args["dtype"]), spec_kwargs or None)
@@ -186,7 +188,8 @@ def export_hf(megatron_path: str, hf_out: str, hf_config_dir: Optional[str] = No
             ``--hf-config``, or an existing non-empty target (without ``overwrite``).
         OSError: a target that cannot be written.
     """
-    from megatron_branch.hf import export_hf_state
+    # heavy (megatron-core): imported once the inputs are checked
+    from megatron_branch.hf.model import export_hf_state
 
     note = progress or (lambda _msg: None)
     saved = check_megatron_checkpoint(megatron_path)["hf_config"]

@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Optional
 from torch import Tensor
 
 from megatron_branch.atomic import check_output_dir, remove_stale_temps
+from megatron_branch.hf.mapping import megatron_args_from_hf
 
 INDEX = "model.safetensors.index.json"
 
@@ -66,8 +67,6 @@ def read_config(hf_dir: str, flag: str = "--hf-model") -> dict:
 
 def check_config(cfg: dict, where: str) -> None:
     """Raise ``ValueError`` naming ``where`` if ``cfg`` cannot be converted."""
-    from megatron_branch.hf.mapping import megatron_args_from_hf
-
     try:
         megatron_args_from_hf(cfg)
     except ValueError as e:

@@ -19,8 +19,15 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from megatron_branch._megatron import ModuleSpec
-from megatron_branch.spec import apply_branch_attention
+from megatron_branch._deps import HAVE_TE
+from megatron_branch._megatron import (
+    ModuleSpec,
+    TransformerBlock,
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron_branch.spec import apply_branch_attention, apply_branch_moe, get_branch_layer_spec
 
 
 def branch_spec_from_args(args, config=None, vp_stage: Optional[int] = None):
@@ -38,8 +45,6 @@ def branch_spec_from_args(args, config=None, vp_stage: Optional[int] = None):
             layers, multi-token prediction, attention dropout, ``--transformer-impl``
             other than ``local``/``transformer_engine``).
     """
-    from megatron.core.models.gpt import gpt_layer_specs as specs
-
     for flag, what in (("multi_latent_attention", "--multi-latent-attention"),
                        ("experimental_attention_variant", "--experimental-attention-variant"),
                        ("qk_l2_norm", "--qk-l2-norm"),
@@ -56,30 +61,25 @@ def branch_spec_from_args(args, config=None, vp_stage: Optional[int] = None):
                          f"{args.attention_dropout}; pass --attention-dropout 0")
     use_te = getattr(args, "transformer_impl", "local") == "transformer_engine"
     if use_te:
-        from megatron_branch._deps import HAVE_TE
-
         if not HAVE_TE:
             raise ValueError("--transformer-impl transformer_engine: Transformer Engine is not importable "
                              "here; pass --transformer-impl local")
     if getattr(args, "num_experts", None):
         if config is None:
+            # Megatron-LM is an optional checkout, importable only inside its own runs
             from megatron.training.arguments import core_transformer_config_from_args
 
             config = core_transformer_config_from_args(args)
-        base = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+        base = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                                 normalization=args.normalization, vp_stage=vp_stage)
     elif use_te:
-        base = specs.get_gpt_layer_with_transformer_engine_spec(
+        base = get_gpt_layer_with_transformer_engine_spec(
             qk_layernorm=args.qk_layernorm, moe_grouped_gemm=getattr(args, "moe_grouped_gemm", False))
     else:
-        base = specs.get_gpt_layer_local_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm)
+        base = get_gpt_layer_local_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm)
     spec = apply_branch_attention(base)
-    if getattr(args, "num_experts", None):
-        from megatron_branch.spec.moe import apply_branch_moe
-
-        # router statistics weighted by multiplicity (naive-batch aux/z losses and counts)
-        spec = apply_branch_moe(spec)
-    return spec
+    # router statistics weighted by multiplicity (naive-batch aux/z losses and counts); a no-op without MoE layers
+    return apply_branch_moe(spec)
 
 
 class ArgsBranchSpec(ModuleSpec):
@@ -108,8 +108,6 @@ class ArgsBranchSpec(ModuleSpec):
                     "virtual stage; build it in a model provider with branch_spec_from_args(args, config, vp_stage)")
             spec = branch_spec_from_args(args)
             if not isinstance(spec, ModuleSpec):  # a block spec (MoE layer pattern)
-                from megatron_branch._megatron import TransformerBlock
-
                 spec = ModuleSpec(module=TransformerBlock, submodules=spec)
             object.__setattr__(self, "_resolved", spec)
         return self._resolved
@@ -135,6 +133,4 @@ branch_layer_spec = ArgsBranchSpec()
 
 def get_branch_spec(normalization: str = "RMSNorm", qk_layernorm: bool = False, **kwargs):
     """The branch layer spec for explicit options (outside Megatron-LM's argument parser)."""
-    from megatron_branch.spec import get_branch_layer_spec
-
     return get_branch_layer_spec(normalization=normalization, qk_layernorm=qk_layernorm, **kwargs)

@@ -16,8 +16,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from megatron_branch.scoring.logprobs import rollout_logprobs
 from megatron_branch.replay.step import replay_logprobs
+from megatron_branch.scoring.logprobs import rollout_logprobs
 from megatron_branch.tree import BranchTree
 
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from typing import Optional, Tuple, Union
 
-from torch import Tensor
-
 import torch
+from torch import Tensor
 
 from megatron_branch.model import single_chunk
 from megatron_branch.scoring.checks import check_model

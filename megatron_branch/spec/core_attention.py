@@ -15,13 +15,13 @@ from torch import Tensor
 
 from megatron_branch._megatron import AttnMaskType, MegatronModule, TransformerConfig
 from megatron_branch.attention.cascade import cascade_attention
-from megatron_branch.attention.dense import dense_tree_attention
-from megatron_branch.attention.repeat_kv import repeated_kv_attention
 from megatron_branch.attention.context_parallel import gather_rows
+from megatron_branch.attention.dense import dense_tree_attention
 from megatron_branch.attention.kernels import KERNELS, default_kernel
-from megatron_branch.attention.plain import masked_attention, thd_attention, unmasked_attention
-from megatron_branch.spec.packed_seq import BranchPackedSeqParams
 from megatron_branch.attention.path_cache import inject
+from megatron_branch.attention.plain import masked_attention, thd_attention, unmasked_attention
+from megatron_branch.attention.repeat_kv import repeated_kv_attention
+from megatron_branch.spec.packed_seq import BranchPackedSeqParams
 
 # The math kernel materialises a [heads, q, k] float32 score block per piece; without a
 # chunk_size its pieces are tiled to this many queries and keys (8 MiB per head).

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from megatron_branch._megatron import PackedSeqParams
-from megatron_branch.attention.pieces import AttentionPiece, PieceBatch, plan_batches, plan_pieces
 from megatron_branch.attention.context_parallel import CPLayout, clip_pieces, needed_shards, shard_bounds
+from megatron_branch.attention.pieces import AttentionPiece, PieceBatch, plan_batches, plan_pieces
 from megatron_branch.tree import BranchSegment, BranchTree
 
 if TYPE_CHECKING:

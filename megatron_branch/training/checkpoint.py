@@ -41,11 +41,8 @@ Loading uses Megatron's default ``torch_dist`` load strategy (in process).
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
 import os
-import queue
 import random
 import re
 from dataclasses import dataclass, field
@@ -55,14 +52,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-# Megatron-core touch points of checkpointing (public dist_checkpointing API, plus the
-# save strategy's writer internals that InProcessSaveStrategy replaces), via the adapter.
 from megatron_branch._megatron import (
     MegatronOptimizer,
     ShardedObject,
-    TorchDistSaveShardedStrategy,
     dist_checkpointing,
-    filesystem_async as _fs_async,
     tensor_parallel,
 )
 from megatron_branch.atomic import (
@@ -73,10 +66,16 @@ from megatron_branch.atomic import (
     stale_temps,
     write_text_atomically,
 )
-from megatron_branch.layout import ParallelLayout
 from megatron_branch.cpu import cuda_factories_on_cpu
-from megatron_branch.model import unwrap
-from megatron_branch.model import as_chunks
+from megatron_branch.layout import ParallelLayout
+from megatron_branch.model import as_chunks, unwrap
+from megatron_branch.training.dist_ckpt_shims import (
+    InProcessSaveStrategy,
+    adam_step_kept_on_load,
+    in_process_writer_available,
+    materialize_adam_state,
+    unshare_adam_steps,
+)
 
 FORMAT_VERSION = 1
 LATEST = "latest"
@@ -214,63 +213,8 @@ def read_train_state(path: str) -> Dict[str, Any]:
     return state
 
 
-# ----------------------------------------------------------------------------- writer
-@contextlib.contextmanager
-def _in_process_results_queue():
-    """Megatron's writer gets its result queue from a module global it creates lazily
-    with ``multiprocessing.get_context("spawn").Manager()`` (a server process): hand it an
-    in-process queue instead while the save is planned."""
-    saved = getattr(_fs_async, "_results_queue", None)
-    _fs_async._results_queue = queue.Queue()
-    try:
-        yield
-    finally:
-        _fs_async._results_queue = saved
-
-
-def _write_buckets_in_process(transform_list, use_msc, rank, write_buckets, results_queue) -> None:
-    """What ``write_preloaded_data_multiproc`` / ``..._multithread`` do, in this process:
-    each file written in turn by the writer's own ``write_preloaded_data``."""
-    results: Any = {}
-    for i, bucket in enumerate(write_buckets):
-        local, count = queue.Queue(), queue.Queue()
-        count.put(i)
-        extra = {"use_msc": use_msc} if use_msc else {}
-        _fs_async.FileSystemWriterAsync.write_preloaded_data(transform_list, i, bucket, local, count, True, **extra)
-        idx, out = local.get_nowait()
-        if isinstance(out, Exception):
-            results = out
-            break
-        results[idx] = out
-    results_queue.put(results)
-
-
-def _in_process_writer_available() -> bool:
-    writer = getattr(_fs_async, "FileSystemWriterAsync", None)
-    return writer is not None and hasattr(writer, "write_preloaded_data") and hasattr(_fs_async, "_results_queue")
-
-
-class InProcessSaveStrategy(TorchDistSaveShardedStrategy):
-    """Megatron's ``torch_dist`` save strategy, written synchronously by the calling
-    process: no manager process, no forked writers (same files, same format)."""
-
-    def __init__(self):
-        super().__init__("torch_dist", 1, thread_count=1)
-
-    def async_save(self, *args, **kwargs):
-        with _in_process_results_queue():
-            request = super().async_save(*args, **kwargs)
-        fn = request.async_fn
-        if fn is None:  # nothing to write on this rank
-            return request
-        if not (isinstance(fn, functools.partial) and len(fn.args) == 2):
-            raise RuntimeError("megatron_branch: unexpected dist_checkpointing writer function "
-                               f"{fn!r}; this megatron-core release needs InProcessSaveStrategy updated")
-        return request._replace(async_fn=functools.partial(_write_buckets_in_process, *fn.args))
-
-
 def _save_strategy():
-    if _in_process_writer_available():
+    if in_process_writer_available():
         return InProcessSaveStrategy(), "in-process torch_dist (no writer processes)"
     return None, "megatron default torch_dist (writer processes)"
 
@@ -333,7 +277,7 @@ def _sharded_state(chunks, optimizer, *, is_loading: bool, rng: Optional[Dict[st
         # the bare GPTModel, as Megatron-LM's unwrap_model: stock keys, whatever the wrappers
         state[_chunk_key(i, len(chunks))] = unwrap(chunk).sharded_state_dict(metadata=dict(OPTIMIZER_SHARDING))
     if optimizer is not None:
-        _materialize_adam_state(optimizer)
+        materialize_adam_state(optimizer)
         with cuda_factories_on_cpu():  # the distributed optimizer gathers through device="cuda" buffers
             state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading,
                                                               metadata=dict(OPTIMIZER_SHARDING))
@@ -341,88 +285,6 @@ def _sharded_state(chunks, optimizer, *, is_loading: bool, rng: Optional[Dict[st
         state["rng_state"] = ShardedObject("megatron_branch.rng_state", rng, (layout["world"],), (_rank(),),
                                            replica_id=0)
     return state
-
-
-def _materialize_adam_state(optimizer) -> None:
-    """Give every parameter of a torch Adam/AdamW inside a Megatron optimizer the state
-    its first ``step`` would create (zero moments, ``step`` 0), where it has none.
-
-    Without Apex/Transformer Engine, ``DistributedOptimizer.state_dict`` (called by its
-    ``sharded_state_dict``, for saving and loading alike) reads ``state["step"]`` of every
-    parameter, so a freshly built optimizer could neither be saved nor loaded into.
-    Adam's first step does the same thing to an empty or a zero state, so this changes
-    no result.
-    """
-    for leaf in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(leaf, "optimizer", None)
-        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-            continue
-        for group in inner.param_groups:
-            for p in group["params"]:
-                state = inner.state[p]
-                if len(state) == 0:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-
-@contextlib.contextmanager
-def _adam_step_kept_on_load(optimizer):
-    """Scoped, per-instance: let a distributed optimizer over torch Adam load a
-    ``fully_reshardable`` state (megatron-core 0.16.1 and 0.19.2, without Apex/TE).
-
-    ``DistributedOptimizer.load_state_dict`` first sets Adam's ``step`` (from the saved
-    param groups) into every parameter's state, then copies each state key from the
-    loaded per-parameter tensors, which carry no ``step`` (it is kept in the param
-    groups): ``KeyError: 'step'``. The wrapper hands the step just set back in, so the copy
-    is a no-op for it. Remove when ``_set_main_param_and_optimizer_states`` skips keys the
-    loaded tensors lack.
-    """
-    patched = []
-    for leaf in getattr(optimizer, "chained_optimizers", [optimizer]):
-        original = getattr(type(leaf), "_set_main_param_and_optimizer_states", None)
-        index = getattr(leaf, "model_param_group_index_map", None)
-        if original is None or index is None:
-            continue
-
-        def keep_step(model_param, tensors, _leaf=leaf, _original=original, _index=index):
-            if "step" not in tensors:
-                group, order = _index[model_param]
-                main = _leaf.optimizer.param_groups[group]["params"][order]
-                step = _leaf.optimizer.state[main].get("step")
-                if step is not None:
-                    tensors = {**tensors, "step": step}
-            return _original(_leaf, model_param, tensors)
-
-        leaf._set_main_param_and_optimizer_states = keep_step
-        patched.append(leaf)
-    try:
-        yield
-    finally:
-        for leaf in patched:
-            del leaf._set_main_param_and_optimizer_states
-
-
-def _unshare_adam_steps(optimizer) -> None:
-    """Give every parameter its own Adam ``step`` tensor after a load.
-
-    Without Apex/TE, ``DistributedOptimizer.load_state_dict`` (megatron-core 0.16.1,
-    0.19.2) puts *one* step tensor into every parameter's state and torch's
-    ``Optimizer.load_state_dict`` keeps it shared (it does not copy ``step``); Adam then
-    increments the shared tensor once per parameter each step and the bias correction of
-    every later step is wrong. A clone per parameter restores what training had.
-    """
-    for leaf in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(leaf, "optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer):
-            continue
-        seen = set()
-        for state in inner.state.values():
-            step = state.get("step") if isinstance(state, dict) else None
-            if torch.is_tensor(step):
-                if id(step) in seen:
-                    state["step"] = step.clone()
-                seen.add(id(state["step"]))
 
 
 def _optimizer_kinds(optimizer) -> Optional[List[str]]:
@@ -596,9 +458,9 @@ def load_checkpoint(
     for i, chunk in enumerate(chunks):
         unwrap(chunk).load_state_dict(loaded[_chunk_key(i, len(chunks))], strict=True)
     if optimizer is not None:
-        with cuda_factories_on_cpu(), _adam_step_kept_on_load(optimizer):
+        with cuda_factories_on_cpu(), adam_step_kept_on_load(optimizer):
             optimizer.load_state_dict(loaded["optimizer"])
-        _unshare_adam_steps(optimizer)
+        unshare_adam_steps(optimizer)
     if same_layout:
         set_rng_state(loaded["rng_state"])
     return LoadedCheckpoint(int(saved["iteration"]), dict(saved.get("data_state") or {}), path, same_layout,

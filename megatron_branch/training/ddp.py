@@ -16,6 +16,7 @@ import torch
 from megatron_branch._megatron import DistributedDataParallel, DistributedDataParallelConfig, Float16Module
 from megatron_branch.model import Chunks, as_chunks, check_wrapper, is_megatron_ddp
 
+
 def wrap_ddp(
     model: torch.nn.Module,
     *,

@@ -40,8 +40,8 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from megatron_branch.model import unwrap
-from megatron_branch.model import as_chunks, param_grad
+from megatron_branch.layout import ParallelLayout
+from megatron_branch.model import as_chunks, param_grad, unwrap
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)$")
 _PARAM_LAYER = re.compile(r"^(.*decoder\.layers\.)(\d+)(\..*)$")
@@ -193,9 +193,7 @@ class FiniteGuard:
             offset += cp.local[0]
             expected = cp.local[1] - cp.local[0]
         if expected and out.shape[0] < expected:  # sequence parallel: this TP rank's slice
-            from megatron_branch._megatron import parallel_state
-
-            offset += parallel_state.get_tensor_model_parallel_rank() * out.shape[0]
+            offset += ParallelLayout.current().tp_rank * out.shape[0]
         packed = offset + local
         if packed >= tree.unique_positions:
             return f" at padding token {packed}"

@@ -21,15 +21,16 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from megatron_branch._megatron import get_forward_backward_func
 from megatron_branch.cpu import cuda_factories_on_cpu
+from megatron_branch.layout import ParallelLayout
+from megatron_branch.model import as_chunks, unwrap
 from megatron_branch.scoring.checks import check_model
 from megatron_branch.scoring.logprobs import per_rollout
-from megatron_branch.model import unwrap
-from megatron_branch.training.batching import TreeMicroBatch
-from megatron_branch.model import as_chunks
-from megatron_branch.tree import BranchTree
-from megatron_branch.scoring.output_rows import select_output_rows, scored_tokens
+from megatron_branch.scoring.output_rows import scored_tokens, select_output_rows
 from megatron_branch.scoring.unit import ChildIndex, UnitRows, prepare_unit, score_unit, unit_multiple
+from megatron_branch.training.batching import TreeMicroBatch
+from megatron_branch.tree import BranchTree
 
 LossFn = Callable[[Tensor, Tensor], Union[Tensor, Tuple[Tensor, Tensor]]]
 MicroBatch = Union[BranchTree, TreeMicroBatch]
@@ -95,8 +96,6 @@ def forward_backward(
     On a CPU-only machine the schedule runs inside
     :func:`megatron_branch.cpu.cuda_factories_on_cpu` (it allocates with ``device="cuda"``).
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     chunks = as_chunks(model)
     items = [as_micro_batch(x) for x in data]
     if not items:
@@ -130,8 +129,6 @@ def make_forward_step(loss_fn: LossFn, forward_only: bool = False, cp_comm_type:
         forward_only: accept bare scalar losses (no gradient is taken).
         cp_comm_type: context-parallel K/V exchange.
     """
-    from megatron_branch._megatron import parallel_state
-
     def forward_step(data_iterator, model):
         item = as_micro_batch(next(data_iterator))
         tree = item.tree
@@ -157,7 +154,7 @@ def make_forward_step(loss_fn: LossFn, forward_only: bool = False, cp_comm_type:
                 if not forward_only:
                     raise ValueError("loss_fn: must return (loss_sum, num_tokens) for training")
                 return loss, {"lm loss": loss.detach().float().reshape(1)}
-            cp_rank = parallel_state.get_context_parallel_rank()
+            cp_rank = ParallelLayout.current().cp_rank
             tokens = token_count(count, cp_rank)
             return loss, tokens, {"lm loss": report(loss, tokens)}
 

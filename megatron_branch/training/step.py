@@ -20,14 +20,14 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_branch._megatron import finalize_model_grads, parallel_state
+from megatron_branch._megatron import finalize_model_grads
 from megatron_branch.cpu import cuda_factories_on_cpu
-from megatron_branch.training.schedule import LossFn, MicroBatch, as_micro_batch, forward_backward, token_count
+from megatron_branch.layout import ParallelLayout
+from megatron_branch.model import as_chunks, is_megatron_ddp, unwrap
 from megatron_branch.replay.step import replay_step, split_loss
-from megatron_branch.model import unwrap
-from megatron_branch.model import as_chunks, is_megatron_ddp
 from megatron_branch.training.ddp import zero_grads
 from megatron_branch.training.optimizer import check_optimizer, optimizer_step
+from megatron_branch.training.schedule import LossFn, MicroBatch, as_micro_batch, forward_backward, token_count
 
 
 @dataclass
@@ -129,7 +129,7 @@ def forward_backward_step(
             config.finalize_model_grads_func = finalize
         loss_sum = float(sum(float(d["lm loss"][0]) for d in out)) if out else 0.0
         return loss_sum, int(box["tokens"]) if box.get("tokens") is not None else -1
-    if len(chunks) > 1 or parallel_state.get_pipeline_model_parallel_world_size() > 1:
+    if len(chunks) > 1 or ParallelLayout.current().pp > 1:
         raise ValueError("max_chunk_tokens: streaming replay runs without pipeline parallelism; "
                          "with pipeline stages use one pass per micro-batch")
     return _streaming(chunks[0], items, loss_fn, config, max_chunk_tokens=max_chunk_tokens,
@@ -157,7 +157,7 @@ def train_step(model, optimizer, data: Sequence[MicroBatch], loss_fn: LossFn, **
 
 def _streaming(model, items: List, loss_fn: LossFn, config, **replay) -> tuple:
     """Streaming replay per micro-batch; DDP reduces in the last micro-batch's final backward."""
-    cp_rank = parallel_state.get_context_parallel_rank()
+    cp_rank = ParallelLayout.current().cp_rank
     total = torch.zeros([], dtype=torch.int)
     loss_sum = 0.0
     scale = config.grad_scale_func

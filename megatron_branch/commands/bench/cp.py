@@ -21,21 +21,19 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_branch.distributed import free_port
+import megatron_branch as mb
+from megatron_branch import losses
+from megatron_branch.attention.context_parallel import comm_bytes, shard_bounds, shard_work
+from megatron_branch.commands.synthetic import branching_rollouts
+from megatron_branch.distributed import destroy_distributed, free_port, init_distributed
+from megatron_branch.scoring.unit import linear_weight
+from megatron_branch.spec.builders import build_gpt, llama_config
 
 
 def _worker(rank, world, port, cfg, comm, out_path):
     warnings.filterwarnings("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, cfg["threads"] // world))
-    import megatron_branch as mb
-    from megatron_branch import losses
-    from megatron_branch.attention.context_parallel import comm_bytes, shard_bounds, shard_work
-    from megatron_branch.distributed import destroy_distributed, init_distributed
-    from megatron_branch.spec.builders import build_gpt, llama_config
-    from megatron_branch.commands.synthetic import branching_rollouts
-    from megatron_branch.scoring.unit import linear_weight
-
     mb.enable_cpu()
     dist.init_process_group("gloo", rank=rank, world_size=world)
     init_distributed(1, 1, world)

@@ -30,10 +30,10 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from megatron_branch.commands.synthetic import RolloutBatch
 from megatron_branch.flops import causal_pairs
 from megatron_branch.reference.naive import batched_rollout_logprobs, naive_moe_logprobs
 from megatron_branch.replay import replay_step
-from megatron_branch.commands.synthetic import RolloutBatch
 from megatron_branch.tree import BranchTree
 
 # Dense scores cost heads x U^2 floats per layer (plus their gradients): skip beyond this.

@@ -33,7 +33,12 @@ from typing import Dict, List
 import torch
 import torch.nn.functional as F
 
-from megatron_branch.commands.bench.run import spread
+from megatron_branch.commands.bench.stats import spread
+from megatron_branch.hf.mapping import megatron_to_hf
+from megatron_branch.hf.model import load_gpt_from_hf, model_state
+from megatron_branch.replay import replay_step
+from megatron_branch.scoring.logprobs import rollout_logprobs
+from megatron_branch.tree import BranchTree
 
 ATTN_NAME = "mb_sdpa_varlen"
 
@@ -170,11 +175,6 @@ def run_peer(cfg, echo=print) -> dict:
     """Time and exactness of HF naive, prefix_grouper and ours on ``cfg.peer_shapes``."""
     if not available():
         return {"skipped": "prefix_grouper or transformers is not installed (pip install -e .[peer])"}
-    from megatron_branch.hf import load_gpt_from_hf, megatron_to_hf, model_state
-    from megatron_branch.scoring.logprobs import rollout_logprobs
-    from megatron_branch.replay import replay_step
-    from megatron_branch.tree import BranchTree
-
     _register()
     with tempfile.TemporaryDirectory() as tmp:
         hf_naive, hf_pg, hf_cfg = _hf_models(cfg, tmp)

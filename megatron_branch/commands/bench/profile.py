@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 from typing import Dict, List
 
-
 CATEGORIES = (
     ("attention kernel", ("scaled_dot_product", "flash_attention", "efficient_attention")),
     ("GEMMs (linear layers, logits)", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul",

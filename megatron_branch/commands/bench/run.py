@@ -36,15 +36,19 @@ from typing import Dict, List, Optional
 import torch
 
 from megatron_branch import losses
-from megatron_branch.flops import ModelShape, causal_pairs, step_flops
 from megatron_branch.commands.bench.methods import prepare_methods
-from megatron_branch.cpu import enable_cpu
-from megatron_branch.distributed import init_distributed
-from megatron_branch.peak_memory import PeakMemory
-from megatron_branch.spec.builders import build_gpt, llama_config
+from megatron_branch.commands.bench.peer import format_peer, run_peer
+from megatron_branch.commands.bench.profile import format_profile, profile_gap
+from megatron_branch.commands.bench.stats import spread
 from megatron_branch.commands.progress import Progress
 from megatron_branch.commands.synthetic import RolloutBatch, branching_rollouts
+from megatron_branch.cpu import enable_cpu
+from megatron_branch.distributed import init_distributed
+from megatron_branch.flops import ModelShape, causal_pairs, step_flops
+from megatron_branch.peak_memory import PeakMemory
 from megatron_branch.reference.agreement import compare_grads, grads
+from megatron_branch.spec.builders import build_gpt, llama_config
+from megatron_branch.tree import BranchTree
 
 SCHEMA_VERSION = 2
 
@@ -176,11 +180,6 @@ def _model_for(name: str) -> str:
     return "dense" if name == "dense_tree" else "repeat_kv" if name == "prompt_once" else "cascade"
 
 
-def spread(values: List[float]) -> Dict[str, float]:
-    """``{"median", "min", "max"}`` of a list of repeats."""
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def run_bench(cfg: BenchConfig, methods: Optional[List[str]] = None, echo=print) -> dict:
     """Run every shape and method (then the profile and the peer comparison if configured);
     returns the JSON-ready report."""
@@ -237,8 +236,6 @@ def _run_bench(cfg: BenchConfig, methods: Optional[List[str]], echo) -> dict:
             prepared_by_shape[shape.name] = (models, batch, loss_fn, prepared, shape_m)
     report["seconds_main"] = time.perf_counter() - started
     if cfg.profile_shapes:
-        from megatron_branch.commands.bench.profile import profile_gap
-
         report["profile"] = []
         for name in cfg.profile_shapes:
             if name not in prepared_by_shape:
@@ -246,8 +243,6 @@ def _run_bench(cfg: BenchConfig, methods: Optional[List[str]], echo) -> dict:
             summary = next(s for s in report["shapes"] if s["shape"] == name)
             report["profile"].append(profile_gap(name, summary, *prepared_by_shape[name][:4]))
     if cfg.peer:
-        from megatron_branch.commands.bench.peer import run_peer
-
         report["peer"] = run_peer(cfg, echo=echo)
     report["seconds_total"] = time.perf_counter() - started
     return report
@@ -281,8 +276,6 @@ def _summarise(shape, batch, prepared, times, memory, diffs, shape_m) -> dict:
 
 
 def _segments(batch) -> int:
-    from megatron_branch.tree import BranchTree
-
     return len(BranchTree.from_sequences(batch.sequences).segments)
 
 
@@ -314,12 +307,8 @@ def format_table(report: dict) -> str:
             )
     lines.append("\nkernels: " + "; ".join(f"{r['method']}: {r['kernel']}" for r in report["shapes"][0]["methods"]))
     if report.get("profile"):
-        from megatron_branch.commands.bench.profile import format_profile
-
         lines.append(format_profile(report["profile"]))
     if report.get("peer"):
-        from megatron_branch.commands.bench.peer import format_peer
-
         lines.append(format_peer(report["peer"]))
     return "\n".join(lines)
 

@@ -26,17 +26,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_branch.distributed import free_port
+import megatron_branch as mb
+from megatron_branch import losses
+from megatron_branch.commands.planner.memory import replay_peak_bytes
+from megatron_branch.commands.planner.presets import ModelSpec
 from megatron_branch.commands.progress import Progress
+from megatron_branch.commands.synthetic import branching_rollouts
+from megatron_branch.distributed import destroy_distributed, free_port, init_distributed
+from megatron_branch.spec.builders import build_gpt, llama_config
 
 MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=192)
 VOCAB = 512
 
 
 def _workload(cfg):
-    from megatron_branch import losses
-    from megatron_branch.commands.synthetic import branching_rollouts
-
     batch = branching_rollouts([cfg["prompt_len"]], [cfg["rollouts"]], [cfg["response_len"]], VOCAB, seed=0)
     mask = losses.response_mask(batch.lengths, batch.prompt_lengths)
     return batch, mask
@@ -46,11 +49,6 @@ def _worker(rank, world, port, cfg, out_dir):
     warnings.filterwarnings("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    import megatron_branch as mb
-    from megatron_branch import losses
-    from megatron_branch.distributed import destroy_distributed, init_distributed
-    from megatron_branch.spec.builders import build_gpt, llama_config
-
     mb.enable_cpu()
     dist.init_process_group("gloo", rank=rank, world_size=world)
     init_distributed(cfg["tp"], 1, cfg["cp"])
@@ -82,10 +80,6 @@ def _worker(rank, world, port, cfg, out_dir):
 def predicted(cfg) -> List[float]:
     """The planner's peak for every rank of this run (same model, layout, chunk); ranks
     are laid out as Megatron's default order does (TP innermost, then CP)."""
-    import megatron_branch as mb
-    from megatron_branch.commands.planner.memory import replay_peak_bytes
-    from megatron_branch.commands.planner.presets import ModelSpec
-
     batch, mask = _workload(cfg)
     tree = mb.BranchTree.from_sequences(batch.sequences)
     spec = ModelSpec("bench-scale", MODEL["num_layers"], MODEL["hidden_size"], MODEL["num_attention_heads"],

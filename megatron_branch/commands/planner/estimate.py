@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict
 
+from megatron_branch.commands.planner.memory import workload_memory
 from megatron_branch.commands.planner.presets import GPUSpec, ModelSpec
 
 GB = 1e9
@@ -82,8 +83,6 @@ def memory_per_gpu(model: ModelSpec, work: Workload, lay: Layout, act_bytes: int
     """Bytes per GPU by component (the largest pipeline stage): parameters, gradients and
     optimizer state, plus what the replay keeps
     (:func:`megatron_branch.commands.planner.memory.workload_memory`)."""
-    from megatron_branch.commands.planner.memory import workload_memory
-
     layers = -(-model.num_layers // lay.pp)
     dense = (layers * model.dense_params_per_layer() + model.vocab_size * model.hidden_size) / lay.tp
     experts = layers * model.expert_params_per_layer() / lay.ep

@@ -35,6 +35,12 @@ from typing import List, Optional
 
 import torch
 
+from megatron_branch.attention.context_parallel import shard_bounds
+from megatron_branch.flops import ModelShape
+from megatron_branch.replay.plan import plan_replay
+from megatron_branch.scoring.output_rows import scored_tokens
+from megatron_branch.scoring.unit import shape_linear_weight
+
 # saved activation elements per token per layer: a_h * hidden + a_kv * kv_dim + a_ffn * ffn
 LAYER_ELEMS = (10.2, 3.1, 5.1)
 TOKEN_ELEMS = 2.0  # x hidden, per token outside the layers (embedding output, final norm)
@@ -108,12 +114,6 @@ def replay_peak_bytes(spec, tree, *, chunk_tokens: Optional[int], tp: int = 1, c
         act_bytes: bytes per activation element (4 fp32, 2 bf16).
         exact: exact replay keeps float32 gradient accumulators for the cache.
     """
-    from megatron_branch.attention.context_parallel import shard_bounds
-    from megatron_branch.flops import ModelShape
-    from megatron_branch.scoring.output_rows import scored_tokens
-    from megatron_branch.replay.plan import plan_replay
-    from megatron_branch.scoring.unit import shape_linear_weight
-
     layers = -(-spec.num_layers // pp)
     ops = plan_replay(tree, chunk_tokens)
     scored = scored_tokens(tree, score_mask) if score_mask is not None else torch.ones(tree.unique_positions,

@@ -16,6 +16,7 @@ from typing import Dict, List
 
 from megatron_branch.commands.planner.estimate import GB, Layout, Workload, memory_per_gpu, step_time
 from megatron_branch.commands.planner.presets import GPUS, MODELS, GPUSpec, ModelSpec, model_from_hf_config
+from megatron_branch.commands.planner.validate import format_validation, validate_on_cpu
 
 USABLE = 0.9
 CHUNKS = (4096, 8192, 16384, 32768)
@@ -111,8 +112,6 @@ def format_plan(result: Dict) -> str:
 
 def main(args) -> int:
     if args.validate:
-        from megatron_branch.commands.planner.validate import format_validation, validate_on_cpu
-
         print(format_validation(validate_on_cpu()))
         print()
     if args.hf_config:

@@ -11,6 +11,14 @@ from __future__ import annotations
 
 from typing import Dict, List
 
+import megatron_branch as mb
+from megatron_branch import losses
+from megatron_branch.commands.planner.memory import replay_peak_bytes
+from megatron_branch.commands.planner.presets import ModelSpec
+from megatron_branch.commands.synthetic import branching_rollouts
+from megatron_branch.distributed import init_distributed
+from megatron_branch.spec.builders import build_gpt, llama_config
+
 CASES = [
     # (layers, hidden, heads, kv heads, ffn, vocab, prompt, rollouts, response, chunk)
     (2, 64, 4, 2, 192, 128, 512, 16, 64, None),
@@ -22,14 +30,6 @@ CASES = [
 
 def validate_on_cpu(cases=CASES) -> List[Dict]:
     import torch
-
-    import megatron_branch as mb
-    from megatron_branch import losses
-    from megatron_branch.distributed import init_distributed
-    from megatron_branch.spec.builders import build_gpt, llama_config
-    from megatron_branch.commands.planner.memory import replay_peak_bytes
-    from megatron_branch.commands.planner.presets import ModelSpec
-    from megatron_branch.commands.synthetic import branching_rollouts
 
     mb.enable_cpu()
     init_distributed()

@@ -20,6 +20,9 @@ from __future__ import annotations
 import os
 import sys
 
+from megatron_branch.commands.study import report as rep
+from megatron_branch.commands.study.run import StudyConfig, StudyError, run_study
+
 __all__ = ["add_arguments", "main"]
 
 
@@ -47,9 +50,6 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    from megatron_branch.commands.study import report as rep
-    from megatron_branch.commands.study.run import StudyConfig, StudyError, run_study
-
     cfg = StudyConfig.quick() if args.quick else StudyConfig()
     for name in ("experiments", "modes", "seeds", "steps", "prompt_len", "chunk_tokens", "lr", "threshold",
                  "threads", "naive_micro_batch"):

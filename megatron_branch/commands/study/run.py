@@ -45,15 +45,15 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from megatron_branch.cpu import enable_cpu
-from megatron_branch.distributed import init_distributed
-from megatron_branch.spec.builders import build_gpt, llama_config
-from megatron_branch.reference.naive import batched_rollout_logprobs
 from megatron_branch.commands.progress import Progress
-from megatron_branch.replay import plan_replay, replay_logprobs, replay_step
 from megatron_branch.commands.study.algos import ALGOS, Prepared, StepLoss, get_algo
 from megatron_branch.commands.study.sampling import sample_tree
 from megatron_branch.commands.study.tasks import TASKS, get_task
+from megatron_branch.cpu import enable_cpu
+from megatron_branch.distributed import init_distributed
+from megatron_branch.reference.naive import batched_rollout_logprobs
+from megatron_branch.replay import plan_replay, replay_logprobs, replay_step
+from megatron_branch.spec.builders import build_gpt, llama_config
 from megatron_branch.tree import BranchTree
 
 SCHEMA_VERSION = 1

@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 from megatron_branch.scoring.output_rows import select_output_rows
-from megatron_branch.tree import BranchTree
 from megatron_branch.scoring.unit import prepare_unit
+from megatron_branch.tree import BranchTree
 
 
 @dataclass

@@ -1,0 +1,77 @@
+"""Branch-spec GPTModels from Hugging Face checkpoints, and a live model's weights back.
+
+``load_gpt_from_hf(hf_dir)`` builds the Megatron GPTModel (branch spec) and loads the
+weights; ``export_hf_state(model, hf_config)`` returns a live (possibly TP/PP/EP sharded)
+model's full weights under HF names — what an RL stack sends to its rollout engine after
+each step. Mapping rules: :mod:`megatron_branch.hf.mapping`.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+from torch import Tensor
+
+from megatron_branch.full_state import full_state, load_full_state
+from megatron_branch.hf.io import read_config, read_weights
+from megatron_branch.hf.mapping import hf_to_megatron, megatron_args_from_hf, megatron_to_hf, num_experts
+from megatron_branch.layout import ParallelLayout
+from megatron_branch.spec.builders import build_gpt, llama_config
+
+
+def build_from_hf_config(hf_cfg: dict, params_dtype: torch.dtype = torch.float32, spec_kwargs: Optional[dict] = None,
+                         **config_overrides):
+    """``(GPTModel, TransformerConfig)`` with the branch spec for a HF config dict (random weights)."""
+    config_kwargs, model_kwargs = megatron_args_from_hf(hf_cfg)
+    config_kwargs.update(config_overrides)
+    if num_experts(hf_cfg):  # Megatron's MoE layer with sequential experts, branch statistics
+        spec_kwargs = {"num_experts": num_experts(hf_cfg), "moe_grouped_gemm": False, **(spec_kwargs or {})}
+    config = llama_config(params_dtype=params_dtype, **config_kwargs)
+    layout = ParallelLayout.current()
+    if layout.initialized:
+        model_kwargs.setdefault("pre_process", layout.first_stage)
+        model_kwargs.setdefault("post_process", layout.last_stage)
+    vocab = model_kwargs.pop("vocab_size")
+    max_len = model_kwargs.pop("max_sequence_length")
+    model = build_gpt(config, vocab, max_sequence_length=max_len, spec_kwargs=spec_kwargs, **model_kwargs)
+    return model, config
+
+
+def load_gpt_from_hf(hf_dir: str, params_dtype: torch.dtype = torch.float32, **spec_kwargs):
+    """Build a branch-spec GPTModel for ``hf_dir`` and load its safetensors weights.
+
+    Works on any TP/PP layout already initialised (weights are sliced per rank).
+
+    Returns:
+        ``(model, config)``.
+    """
+    hf_cfg = read_config(hf_dir)
+    model, config = build_from_hf_config(hf_cfg, params_dtype, spec_kwargs)
+    state = hf_to_megatron(read_weights(hf_dir), hf_cfg)
+    load_state(model, {k: v.to(params_dtype) for k, v in state.items()})
+    return model, config
+
+
+def load_state(model, state: Dict[str, Tensor]) -> None:
+    """Load unsharded stock-named weights on any TP/PP/EP layout (:func:`megatron_branch.full_state.load_full_state`)."""
+    load_full_state(model, state)
+
+
+def model_state(model, which: str = "param") -> Dict[str, Tensor]:
+    """Unsharded stock-named weights (or grads) of a live model (collective over TP, PP and EP;
+    :func:`megatron_branch.full_state.full_state`)."""
+    return full_state(model, which)
+
+
+def export_hf_state(model, hf_cfg: dict, dtype: Optional[torch.dtype] = None) -> Dict[str, Tensor]:
+    """The model's full weights under HF names (collective over TP, PP and, for MoE, EP;
+    every rank gets them)."""
+    state = model_state(model, "param")
+    if hf_cfg.get("tie_word_embeddings"):
+        state.pop("output_layer.weight", None)
+    out = megatron_to_hf(state, hf_cfg)
+    return {k: v.to(dtype) for k, v in out.items()} if dtype is not None else out
+
+
+__all__ = ["build_from_hf_config", "export_hf_state", "load_gpt_from_hf", "load_state", "model_state"]
