@@ -387,3 +387,36 @@ def test_stock_moe_layers_under_tree_attention_are_refused():
                      share_embeddings_and_output_weights=False)
     with pytest.raises(ValueError, match="stock MoELayer.*apply_branch_moe"):
         mb.rollout_logprobs(model, mb.BranchTree.from_sequences(ragged()))
+
+
+def test_streaming_moe_through_megatron_training_equals_the_naive_step():
+    """Issue 19: ``training.train_step`` at a chunk budget (streaming replay) on an MoE model
+    with the three aux losses and the z-loss collects the router statistics itself, and its
+    update equals the naive step's through the same Megatron machinery (per-token loss,
+    ``finalize_model_grads``, a Megatron optimizer step). ``mb.replay_step`` at a budget is covered by
+    ``test_streaming_replay_matches_naive_batch``."""
+    from megatron_branch._megatron import OptimizerConfig
+    from megatron_branch.reference.naive import make_naive_forward_step
+    from megatron_branch.training import get_optimizer, train_step, wrap_ddp
+
+    seqs = equal_lengths()  # the naive forward step pads without a router padding mask
+    branch, stock = make_pair(calculate_per_token_loss=True, **LOSSES["all_three"])
+    tree = mb.BranchTree.from_sequences(seqs)
+    weights = torch.linspace(-1.0, 1.0, len(seqs))
+
+    def loss_fn(lp, ids):  # (loss_sum, num_tokens): Megatron's per-token convention
+        return (lp.sum(1) * weights[ids]).sum() / 100, torch.tensor(float(len(ids)))
+
+    deltas = []
+    for model, step in ((branch, dict(max_chunk_tokens=10)),
+                        (stock, dict(forward_step_func=make_naive_forward_step(loss_fn, seqs)))):
+        ddp = wrap_ddp(model)
+        opt = get_optimizer(OptimizerConfig(optimizer="sgd", lr=1.0, weight_decay=0.0, clip_grad=0.0), [ddp])
+        MoEAuxLossAutoScaler.main_loss_backward_scale = None  # Megatron's schedule sets a [1]-shaped 1.0
+        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1))
+        result = train_step([ddp], opt, [tree], loss_fn, **step)
+        assert result.num_tokens == len(seqs)
+        deltas.append({n: p.main_grad.clone() for n, p in model.named_parameters()})  # the step's gradient
+    diffs = compare_grads(*deltas)
+    assert max(diffs.values()) < TOL, (max(diffs, key=diffs.get), max(diffs.values()))
+    assert all(deltas[1][n].abs().max() > 0 for n in deltas[1] if "router" in n)
