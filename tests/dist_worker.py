@@ -110,9 +110,24 @@ def worker(rank, world, port, layout, cases, weights, out_dir):
         dist.destroy_process_group()
 
 
+# Workers are forked from one server process that imported torch, megatron-core and the
+# package once (``forkserver`` with a preload): a fresh interpreter per worker would spend
+# ~4 s importing them, on every launch of every test.
+PRELOAD = ["torch", "megatron.core", "megatron_branch.training", "megatron_branch.spec.builders",
+           "megatron_branch.hf.convert", "dist_worker"]
+
+
+def start(fn, args, nprocs):
+    """``torch.multiprocessing.spawn`` from the preloaded fork server."""
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
 def spawn(layout, cases, weights, out_dir, port):
     world = layout["tp"] * layout["cp"] * layout["pp"]
-    mp.spawn(worker, args=(world, port, layout, cases, weights, out_dir), nprocs=world, join=True)
+    start(worker, (world, port, layout, cases, weights, out_dir), world)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
 
 
@@ -228,7 +243,7 @@ def moe_worker(rank, world, port, layout, cases, weights, out_dir):
 
 def spawn_moe(layout, cases, weights, out_dir, port):
     world = max(layout["tp"], layout["ep"])  # expert parallelism over the TP ranks, or over DP
-    mp.spawn(moe_worker, args=(world, port, layout, cases, weights, out_dir), nprocs=world, join=True)
+    start(moe_worker, (world, port, layout, cases, weights, out_dir), world)
     return [torch.load(os.path.join(out_dir, f"moe{r}.pt")) for r in range(world)]
 
 

@@ -6,7 +6,6 @@ import os
 import dist_worker
 import pytest
 import torch
-import torch.multiprocessing as mp
 import transformers
 from safetensors.torch import load_file, save_file
 
@@ -89,8 +88,7 @@ def test_round_trip_is_bit_exact_and_loads_in_transformers(arch, tmp_path):
 def test_import_at_tp1_load_at_tp2(tmp_path):
     hf, hf_dir = make_hf(tmp_path, "qwen2")
     import_hf(hf_dir, str(tmp_path / "mg"))
-    mp.spawn(dist_worker.hf_worker, args=(2, free_port(), str(tmp_path / "mg"), BATCH.sequences, str(tmp_path)),
-             nprocs=2, join=True)
+    dist_worker.start(dist_worker.hf_worker, (2, free_port(), str(tmp_path / "mg"), BATCH.sequences, str(tmp_path)), 2)
     ref = hf_logprobs(hf, BATCH.sequences)
     for rank in range(2):
         assert (torch.load(tmp_path / f"hf{rank}.pt")["lp"] - ref).abs().max() < 1e-5
@@ -205,8 +203,8 @@ def test_moe_checkpoint_loads_expert_parallel(tmp_path):
     hf, hf_dir = make_hf(tmp_path, "mixtral")
     import_hf(hf_dir, str(tmp_path / "mg"))
     hf_cfg = json.load(open(os.path.join(hf_dir, "config.json")))
-    mp.spawn(dist_worker.hf_moe_worker, args=(2, free_port(), str(tmp_path / "mg"), hf_cfg, BATCH.sequences,
-                                              str(tmp_path)), nprocs=2, join=True)
+    dist_worker.start(dist_worker.hf_moe_worker, (2, free_port(), str(tmp_path / "mg"), hf_cfg, BATCH.sequences,
+                                                  str(tmp_path)), 2)
     ref = hf_logprobs(hf, BATCH.sequences)
     original = load_file(os.path.join(hf_dir, "model.safetensors"))
     for rank in range(2):
