@@ -18,11 +18,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from megatron_branch.atomic import check_output_dir, check_output_file
 from megatron_branch.commands.preflight import OneLineParser as _Parser
 from megatron_branch.commands.preflight import quiet_megatron_warnings
-from megatron_branch.distributed import run_main
-from megatron_branch.hf.io import check_input_json
 
-# megatron-core warns about Apex/TE fallbacks when imported on CPU; they are expected here.
+# megatron-core warns about Apex/TE fallbacks when imported on CPU; they are expected here
+# (so the warnings are silenced before the imports below import it).
 quiet_megatron_warnings()
+
+from megatron_branch.distributed import run_main  # noqa: E402
+from megatron_branch.hf.io import check_input_json  # noqa: E402
 
 PROG = "megatron-branch"
 
