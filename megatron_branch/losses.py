@@ -7,12 +7,16 @@ plus a ``[R, T]`` mask of the positions that count (usually the response tokens)
 Aggregation divides by *global* counts when they are given (``global_tokens``,
 ``global_seqs``), as verl's ``agg_loss`` does, so a loss summed over micro-batches,
 replay chunks or data-parallel ranks equals the loss of the whole batch and the
-gradient does not depend on how the batch was split.
+gradient does not depend on how the batch was split. Where a call holds only part of
+the batch (:func:`batch_part`, set by streaming replay for each chunk), the defaults —
+this call's own counts — are refused, never silently used.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Literal, Optional, Sequence, Tuple
+import contextlib
+import contextvars
+from typing import Callable, Dict, Iterator, Literal, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -20,6 +24,34 @@ from torch import Tensor
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 Metrics = Dict[str, Tensor]
+
+
+# --------------------------------------------------------------- part of a batch
+# (rollouts this loss call holds, rollouts of the whole batch), set by whoever calls a
+# loss on part of a batch: streaming replay's chunks, the training step's micro-batches.
+_PART: contextvars.ContextVar[Optional[Tuple[int, int]]] = contextvars.ContextVar("megatron_branch_loss_part",
+                                                                                   default=None)
+
+
+@contextlib.contextmanager
+def batch_part(held: int, total: int) -> Iterator[None]:
+    """Inside, loss calls hold ``held`` of the batch's ``total`` rollouts: a loss that
+    would normalise by this call's own counts (no ``global_tokens`` / ``global_seqs`` /
+    ``global_pairs``) raises instead of computing a layout-dependent value."""
+    token = _PART.set((int(held), int(total)))
+    try:
+        yield
+    finally:
+        _PART.reset(token)
+
+
+def _check_whole_batch(arg: str, what: str) -> None:
+    part = _PART.get()
+    if part is not None and part[0] < part[1]:
+        raise ValueError(
+            f"{arg}: not given, so this call would normalise by its own {what}, but it holds {part[0]} of the "
+            f"batch's {part[1]} rollouts (one chunk or micro-batch of a replay step); the sum over calls would "
+            f"then differ from the whole batch's loss. Pass {arg} (the whole batch's count)")
 
 
 # ----------------------------------------------------------------------------- checks
@@ -95,6 +127,11 @@ def agg_loss(
             this call's ``mask.sum()``.
         global_seqs: number of sequences in the whole batch; default: ``R``.
 
+    Raises:
+        ValueError: inside :func:`batch_part` (a replay chunk holding part of the
+            batch), the default normaliser of ``mode`` would be this call's own count:
+            the argument to pass is named.
+
     Returns:
         A scalar tensor; summing it over a partition of the batch (with the same global
         counts) gives the whole batch's value.
@@ -106,8 +143,12 @@ def agg_loss(
         raise ValueError(f"mode: {mode!r} is not one of {AGG_MODES}")
     mask = mask.to(loss_mat.dtype)
     if mode == "token-mean":
+        if global_tokens is None:
+            _check_whole_batch("global_tokens", "mask sum")
         denom = global_tokens if global_tokens is not None else mask.sum().clamp(min=1.0)
         return (loss_mat * mask).sum() / denom
+    if global_seqs is None:
+        _check_whole_batch("global_seqs", "number of sequences")
     denom = global_seqs if global_seqs is not None else loss_mat.shape[0]
     per_seq = (loss_mat * mask).sum(-1)
     if mode == "seq-mean-token-mean":
@@ -360,6 +401,8 @@ def dpo_loss(
     ):
         _check_like(name, x, chosen_logprobs, "chosen_logprobs")
     margin = (chosen_logprobs - ref_chosen_logprobs) - (rejected_logprobs - ref_rejected_logprobs)
+    if global_pairs is None:
+        _check_whole_batch("global_pairs", "number of pairs")
     denom = global_pairs if global_pairs is not None else chosen_logprobs.numel()
     loss = -torch.nn.functional.logsigmoid(beta * margin).sum() / denom
     with torch.no_grad():

@@ -299,3 +299,43 @@ def test_repeat_kv_backend_refuses_streaming():
     branch, _ = make_pair(backend="repeat_kv")
     with pytest.raises(ValueError, match="repeat_kv"):
         replay_step(branch, tree, Loss(batch), max_chunk_tokens=20)
+
+
+@pytest.mark.parametrize("agg, arg", [("token-mean", "global_tokens"), ("seq-mean-token-mean", "global_seqs")])
+def test_a_per_chunk_normaliser_is_refused_not_silently_used(agg, arg):
+    """Issue 21: a ``mb.losses`` call inside a chunk that would normalise by the chunk's own
+    counts raises, naming the argument; with the global count it equals the one-pass loss."""
+    batch = one_prompt_tails()
+    branch, _ = make_pair()
+    tree = mb.BranchTree.from_sequences(batch.sequences)
+    mask = losses.response_mask(batch.lengths, batch.prompt_lengths)
+    adv = torch.linspace(-1.0, 1.0, len(batch.sequences))
+
+    def per_call(lp, ids):
+        return losses.ppo_policy_loss(lp, lp.detach(), adv[ids], mask[ids], agg=agg)[0]
+
+    with pytest.raises(ValueError, match=f"{arg}: not given.*holds 1 of the batch's 6 rollouts"):
+        replay_step(branch, tree, per_call, max_chunk_tokens=12)
+    whole = replay_step(branch, tree, per_call)  # one pass: the call holds the whole batch
+    counts = {"global_tokens": mask.sum(), "global_seqs": float(len(batch.sequences))}
+
+    def global_norm(lp, ids):
+        return losses.ppo_policy_loss(lp, lp.detach(), adv[ids], mask[ids], agg=agg, **{arg: counts[arg]})[0]
+
+    chunked = replay_step(branch, tree, global_norm, max_chunk_tokens=12)
+    assert chunked.num_chunks > 1 and abs(chunked.loss - whole.loss) < 1e-5 * max(1.0, abs(whole.loss))
+
+
+def test_dpo_pairs_without_global_pairs_are_refused_in_chunks():
+    batch = one_prompt_tails()
+    branch, _ = make_pair()
+    tree = mb.BranchTree.from_sequences(batch.sequences)
+    groups = [i // 2 for i in range(len(batch.sequences))]
+    mask = losses.response_mask(batch.lengths, batch.prompt_lengths)
+
+    def dpo(lp, ids):
+        seq = losses.sequence_logprobs(lp, mask[ids])
+        return losses.dpo_loss(seq[0::2], seq[1::2], seq[0::2].detach(), seq[1::2].detach())[0]
+
+    with pytest.raises(ValueError, match="global_pairs: not given"):
+        replay_step(branch, tree, dpo, max_chunk_tokens=50, group_ids=groups)

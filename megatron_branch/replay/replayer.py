@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from megatron_branch.attention.path_cache import PathCache, StemRows
+from megatron_branch.losses import batch_part
 from megatron_branch.model import GradSync, model_device
 from megatron_branch.replay.plan import ReplayOp
 from megatron_branch.scoring.unit import ChildIndex, forward_unit
@@ -139,7 +140,8 @@ class Replayer:
         ids = torch.tensor(rollouts, dtype=torch.long)
         rows = self.tree.rows[ids, 1:].to(self.device)
         lp = torch.where(rows >= 0, lp_vec[rows.clamp(min=0)], torch.zeros((), device=self.device))
-        loss, count = split_loss(self.loss_fn(lp, ids))
+        with batch_part(len(rollouts), self.tree.num_rollouts):  # mb.losses refuse per-call normalisers
+            loss, count = split_loss(self.loss_fn(lp, ids))
         self.total += float(loss.detach())
         if count is not None:
             self.count = (self.count or 0.0) + float(count)

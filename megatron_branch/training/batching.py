@@ -33,17 +33,26 @@ class TreeMicroBatch:
             are padded to it, so global ``[R, width]`` tensors can be indexed by ``rollouts``.
         score_mask: ``[r, width]``, nonzero where the loss reads log-probs (logits are then
             computed only there); ``None`` scores every token.
+        batch_size: rollouts in the global batch (all micro-batches of all data-parallel
+            ranks); ``None``: this micro-batch's. A loss call on fewer must not normalise
+            by its own counts (:func:`megatron_branch.losses.batch_part`).
     """
 
     tree: BranchTree
     rollouts: Tensor
     width: int
     score_mask: Optional[Tensor] = None
+    batch_size: Optional[int] = None
 
     @classmethod
     def of(cls, tree: BranchTree) -> "TreeMicroBatch":
         """A whole tree as its own global batch."""
-        return cls(tree, torch.arange(tree.num_rollouts), max(tree.max_len - 1, 0))
+        return cls(tree, torch.arange(tree.num_rollouts), max(tree.max_len - 1, 0), None, tree.num_rollouts)
+
+    @property
+    def global_rollouts(self) -> int:
+        """:attr:`batch_size`, or this micro-batch's rollouts when it is not known."""
+        return self.batch_size if self.batch_size is not None else self.tree.num_rollouts
 
     def pad(self, lp: Tensor) -> Tensor:
         """``[r, tree.max_len - 1] -> [r, width]`` (zeros past each rollout's end)."""
@@ -176,7 +185,7 @@ def plan_data_parallel(
 def _micro_batch(sequences, ids: List[int], width: int, score_mask: Optional[Tensor]) -> TreeMicroBatch:
     rollouts = torch.tensor(ids, dtype=torch.long)
     return TreeMicroBatch(BranchTree.from_sequences([sequences[r] for r in ids]), rollouts, width,
-                          None if score_mask is None else score_mask[rollouts])
+                          None if score_mask is None else score_mask[rollouts], len(sequences))
 
 
 def _pack(groups: List[GroupWork], budget: Optional[int]) -> List[List[int]]:

@@ -24,6 +24,7 @@ from torch import Tensor
 from megatron_branch._megatron import get_forward_backward_func
 from megatron_branch.cpu import cuda_factories_on_cpu
 from megatron_branch.layout import ParallelLayout
+from megatron_branch.losses import batch_part
 from megatron_branch.model import as_chunks, unwrap
 from megatron_branch.scoring.checks import check_model
 from megatron_branch.scoring.logprobs import per_rollout
@@ -148,7 +149,8 @@ def make_forward_step(loss_fn: LossFn, forward_only: bool = False, cp_comm_type:
                                           scored=scored)
             lp = lp_child.new_zeros(n).index_put((idx.to(lp_child.device),), lp_child)
             ids_r = torch.arange(tree.num_rollouts)
-            out = loss_fn(item.pad(per_rollout(lp, tree)), item.rollouts[ids_r])
+            with batch_part(tree.num_rollouts, item.global_rollouts):  # a micro-batch of the global batch
+                out = loss_fn(item.pad(per_rollout(lp, tree)), item.rollouts[ids_r])
             loss, count = (out[0], out[1]) if isinstance(out, (tuple, list)) else (out, None)
             if count is None:
                 if not forward_only:

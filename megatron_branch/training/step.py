@@ -23,6 +23,7 @@ import torch
 from megatron_branch._megatron import finalize_model_grads
 from megatron_branch.cpu import cuda_factories_on_cpu
 from megatron_branch.layout import ParallelLayout
+from megatron_branch.losses import batch_part
 from megatron_branch.model import as_chunks, is_megatron_ddp, unwrap
 from megatron_branch.replay.step import replay_step, split_loss
 from megatron_branch.training.ddp import zero_grads
@@ -164,7 +165,8 @@ def _streaming(model, items: List, loss_fn: LossFn, config, **replay) -> tuple:
     for i, item in enumerate(items):
 
         def chunk_loss(lp, ids, item=item):
-            loss, count = split_loss(loss_fn(item.pad(lp), item.rollouts[ids]))
+            with batch_part(len(ids), item.global_rollouts):  # a micro-batch is part of the global batch
+                loss, count = split_loss(loss_fn(item.pad(lp), item.rollouts[ids]))
             if count is None:
                 raise ValueError("loss_fn: must return (loss_sum, num_tokens) for training")
             return (scale(loss) if scale is not None else loss), count
