@@ -4,6 +4,9 @@ Megatron's API moves between releases (GPTModel -> HybridModel, ModuleSpec -> ty
 builders); keeping the imports here confines a port to this file. Pinned: 0.16.x.
 """
 
+from dataclasses import dataclass
+from typing import Dict, Optional
+
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -31,8 +34,6 @@ gather_from_sequence_parallel_region = tensor_parallel.gather_from_sequence_para
 reduce_from_tensor_model_parallel_region = tensor_parallel.reduce_from_tensor_model_parallel_region
 
 # --- Mixture of Experts (megatron_branch.spec.moe) -------------------------------------------
-import inspect as _inspect  # noqa: E402
-
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules  # noqa: E402
 from megatron.core.transformer.moe.moe_utils import (  # noqa: E402
     MoEAuxLossAutoScaler,
@@ -52,39 +53,62 @@ except ImportError:  # 0.16: a module-level dict
     )
 
 
-def _after_0_16() -> bool:
-    from importlib.metadata import PackageNotFoundError, version
+def megatron_core_version() -> tuple:
+    """``(major, minor)`` of the installed megatron-core (its package metadata)."""
+    from importlib.metadata import version
 
-    try:
-        major, minor = (int(x) for x in version("megatron-core").split(".")[:2])
-    except (PackageNotFoundError, ValueError):
-        return False
-    return (major, minor) > (0, 16)
+    major, minor = (int(x) for x in version("megatron-core").split(".")[:2])
+    return major, minor
 
 
-def _source_has(fn, text: str) -> bool:
-    """Whether the installed release's ``fn`` contains ``text``; without readable source
-    (a bytecode-only install) the release number decides (each text is what came after 0.16)."""
-    try:
-        return text in _inspect.getsource(fn)
-    except (OSError, TypeError):
-        return _after_0_16()
+@dataclass(frozen=True)
+class MoERouterBehaviour:
+    """How the installed release's ``TopKRouter`` scales and logs its router losses.
+
+    megatron_branch.spec.moe reproduces whichever the installed release does. An explicit
+    table per release, read from each release's ``moe/router.py`` (0.16.1 to 0.19.2), not a
+    search of the installed source: a release that rewrites those lines without changing
+    behaviour must not flip the scaling, and one that changes behaviour must be added here.
+
+    Attributes:
+        per_token_scale_times_tp_cp: under ``calculate_per_token_loss`` the z-loss is
+            multiplied by ``num_local_tokens * tp_cp_size`` (older: ``num_local_tokens``).
+        seq_aux_counts_micro_batch: the sequence aux loss's valid-token count is the
+            micro-batch's tokens (older: one sequence's).
+        z_loss_log_avg: the z-loss is logged averaged over TP x DP x CP (older: per rank).
+        global_aux_log_flag: the keyword ``attach_and_log_load_balancing_loss`` takes for
+            the global aux loss's DP handling.
+    """
+
+    per_token_scale_times_tp_cp: bool
+    seq_aux_counts_micro_batch: bool
+    z_loss_log_avg: bool
+    global_aux_log_flag: Dict[str, bool]
 
 
-# Per-token loss (``calculate_per_token_loss``) scaling of the router losses changed after
-# 0.16: newer releases multiply by ``num_local_tokens * tp_cp_size`` (0.16: by
-# ``num_local_tokens``), and the sequence aux loss counts the micro-batch's tokens (0.16:
-# one sequence's). megatron_branch.spec.moe reproduces whichever the installed release does.
-MOE_PER_TOKEN_SCALE_TIMES_TP_CP = _source_has(TopKRouter.apply_z_loss, "num_local_tokens * self.tp_cp_group.size()")
-MOE_SEQ_AUX_COUNTS_MICRO_BATCH = _source_has(TopKRouter._apply_seq_aux_loss, "local_num_tokens * bsz")
-# Newer releases log the z-loss averaged over TP x DP x CP (0.16: per rank).
-MOE_Z_LOSS_LOG_AVG = _source_has(TopKRouter.apply_z_loss, "avg_group=self.tp_dp_cp_group")
-# The global aux loss's logging flag: ``needs_dp_avg=False`` (newer) / ``reduce_group_has_dp=True`` (0.16).
-MOE_GLOBAL_AUX_LOG_FLAG = (
-    {"needs_dp_avg": False}
-    if "needs_dp_avg" in _inspect.signature(TopKRouter.attach_and_log_load_balancing_loss).parameters
-    else {"reduce_group_has_dp": True}
-)
+_OLD_LOG = {"reduce_group_has_dp": True}
+_NEW_LOG = {"needs_dp_avg": False}
+MOE_ROUTER_BEHAVIOUR = {
+    (0, 16): MoERouterBehaviour(False, False, False, _OLD_LOG),
+    (0, 17): MoERouterBehaviour(False, False, False, _OLD_LOG),
+    (0, 18): MoERouterBehaviour(False, False, False, _NEW_LOG),
+    (0, 19): MoERouterBehaviour(True, True, True, _NEW_LOG),
+}
+
+
+def moe_router_behaviour(release: Optional[tuple] = None) -> MoERouterBehaviour:
+    """The :class:`MoERouterBehaviour` of ``release`` (default: the installed one).
+
+    Raises:
+        ValueError: a release the table does not know (add its row after reading its
+            ``megatron/core/transformer/moe/router.py``).
+    """
+    release = release or megatron_core_version()
+    if release not in MOE_ROUTER_BEHAVIOUR:
+        known = ", ".join(f"{a}.{b}" for a, b in sorted(MOE_ROUTER_BEHAVIOUR))
+        raise ValueError(f"megatron-core {release[0]}.{release[1]}: its MoE router loss scaling is not in "
+                         f"megatron_branch._megatron.MOE_ROUTER_BEHAVIOUR (known: {known})")
+    return MOE_ROUTER_BEHAVIOUR[release]
 
 
 def record_moe_metric(name, value, layer_number, num_layers, reduce_group=None, avg_group=None) -> None:
@@ -127,10 +151,8 @@ __all__ = [
     "MoEAuxLossAutoScaler",
     "MoELayer",
     "MoESubmodules",
-    "MOE_GLOBAL_AUX_LOG_FLAG",
-    "MOE_PER_TOKEN_SCALE_TIMES_TP_CP",
-    "MOE_SEQ_AUX_COUNTS_MICRO_BATCH",
-    "MOE_Z_LOSS_LOG_AVG",
+    "MOE_ROUTER_BEHAVIOUR",
+    "MoERouterBehaviour",
     "ModuleSpec",
     "PackedSeqParams",
     "SelfAttention",
@@ -147,7 +169,9 @@ __all__ = [
     "get_gpt_decoder_block_spec",
     "get_gpt_layer_local_spec",
     "get_gpt_layer_with_transformer_engine_spec",
+    "megatron_core_version",
     "moe_logged_metrics",
+    "moe_router_behaviour",
     "parallel_state",
     "record_moe_metric",
     "reduce_from_tensor_model_parallel_region",

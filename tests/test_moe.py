@@ -420,3 +420,23 @@ def test_streaming_moe_through_megatron_training_equals_the_naive_step():
     diffs = compare_grads(*deltas)
     assert max(diffs.values()) < TOL, (max(diffs, key=diffs.get), max(diffs.values()))
     assert all(deltas[1][n].abs().max() > 0 for n in deltas[1] if "router" in n)
+
+
+def test_router_behaviour_is_an_explicit_table_of_releases():
+    """Issue 21: the installed release's router-loss scaling comes from a table of releases
+    (0.16 .. 0.19, read from each release's router source), not a search of the source."""
+    from megatron_branch._megatron import MOE_ROUTER_BEHAVIOUR, megatron_core_version, moe_router_behaviour
+
+    installed = megatron_core_version()
+    assert installed in MOE_ROUTER_BEHAVIOUR  # the suite runs on 0.16.1 and 0.19.2
+    old, new = moe_router_behaviour((0, 16)), moe_router_behaviour((0, 19))
+    assert not old.per_token_scale_times_tp_cp and new.per_token_scale_times_tp_cp
+    assert old.global_aux_log_flag == {"reduce_group_has_dp": True}
+    assert moe_router_behaviour((0, 18)).global_aux_log_flag == {"needs_dp_avg": False}
+    with pytest.raises(ValueError, match=r"megatron-core 0\.99: its MoE router loss scaling is not in"):
+        moe_router_behaviour((0, 99))
+    # the flag the table names is the keyword the installed router takes
+    import inspect
+
+    params = inspect.signature(TopKRouter.attach_and_log_load_balancing_loss).parameters
+    assert set(moe_router_behaviour().global_aux_log_flag) <= set(params)

@@ -12,15 +12,7 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
-from megatron_branch._megatron import (
-    MOE_GLOBAL_AUX_LOG_FLAG,
-    MOE_PER_TOKEN_SCALE_TIMES_TP_CP,
-    MOE_SEQ_AUX_COUNTS_MICRO_BATCH,
-    MOE_Z_LOSS_LOG_AVG,
-    MoEAuxLossAutoScaler,
-    TopKRouter,
-    record_moe_metric,
-)
+from megatron_branch._megatron import MoEAuxLossAutoScaler, TopKRouter, moe_router_behaviour, record_moe_metric
 from megatron_branch.spec.moe.statistics import LayerCounts, RoutingStatistics, TreeTokens, all_reduce
 
 BATCH_ROUTING = ("sinkhorn", "quantile_balancing")
@@ -52,6 +44,8 @@ class BranchTopKRouter(TopKRouter):
         self._stats: Optional[RoutingStatistics] = None
         self._collect: Optional[RoutingStatistics] = None
         self.tokens_per_expert: Optional[Tensor] = None  # [E] float64, see routers.tokens_per_expert()
+        # the installed release's loss scaling and logging (ValueError for an unknown release)
+        self.behaviour = moe_router_behaviour()
 
     # -- what the router is told per forward and per step
     @contextlib.contextmanager
@@ -81,7 +75,7 @@ class BranchTopKRouter(TopKRouter):
         installed release scales it."""
         if not self.config.calculate_per_token_loss:
             return 1.0
-        return tokens.total / tp_cp * (tp_cp if MOE_PER_TOKEN_SCALE_TIMES_TP_CP else 1)
+        return tokens.total / tp_cp * (tp_cp if self.behaviour.per_token_scale_times_tp_cp else 1)
 
     def _statistics(self, tokens: TreeTokens) -> LayerCounts:
         stats = self._stats
@@ -132,7 +126,7 @@ class BranchTopKRouter(TopKRouter):
         z_loss = (z * tokens.weights.to(z.dtype)).sum() * (coeff / tokens.total)
         logits = MoEAuxLossAutoScaler.apply(logits, z_loss * self._per_token(tokens, tp_cp))
         record_moe_metric("z_loss", z_loss / (coeff / tp_cp), self.layer_number, self._num_layers(),
-                          avg_group=self.tp_dp_cp_group if MOE_Z_LOSS_LOG_AVG else None)
+                          avg_group=self.tp_dp_cp_group if self.behaviour.z_loss_log_avg else None)
         return logits
 
     def _apply_aux_loss(self, probs, scores_for_aux_loss, routing_map, with_padding_mask=False):
@@ -165,7 +159,7 @@ class BranchTopKRouter(TopKRouter):
         weight = tokens.sums.per_token(per_rollout.to(scores_for_aux_loss.device)).to(scores_for_aux_loss.dtype)
         aux = (scores_for_aux_loss * weight).sum() * (num * coeff * rollouts / (self.topk * total * total))
         tp_cp = self.tp_cp_group.size()
-        valid = total / tp_cp if MOE_SEQ_AUX_COUNTS_MICRO_BATCH else total / (tp_cp * rollouts)
+        valid = total / tp_cp if self.behaviour.seq_aux_counts_micro_batch else total / (tp_cp * rollouts)
         return self.attach_and_log_load_balancing_loss(
             probs, coeff, aux, "seq_load_balancing_loss", self.tp_cp_group, valid_token_count=valid)
 
@@ -187,7 +181,7 @@ class BranchTopKRouter(TopKRouter):
             self.config.num_moe_experts * coeff / (self.topk * total * total))
         return self.attach_and_log_load_balancing_loss(
             probs, coeff, aux, "global_load_balancing_loss", self.tp_dp_cp_group,
-            valid_token_count=self._valid(tokens), **MOE_GLOBAL_AUX_LOG_FLAG)
+            valid_token_count=self._valid(tokens), **self.behaviour.global_aux_log_flag)
 
     def _valid(self, tokens: TreeTokens) -> float:
         # attach_and_log_load_balancing_loss applies the release's own per-token scaling to it
