@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from megatron_branch.commands.planner.estimate import GB, Layout, Workload, memory_per_gpu, step_flops
+from megatron_branch.commands.planner.estimate import GB, Layout, Workload, memory_per_gpu, stage_params, step_flops
+from megatron_branch.commands.planner.memory import replay_peak_bytes, replay_peak_parts, workload_tree
 from megatron_branch.commands.planner.plan import plan
 from megatron_branch.commands.planner.presets import GPUS, MODELS, ModelSpec, model_from_hf_config
 
@@ -27,20 +28,69 @@ def test_params_memory_and_flops_by_hand():
     assert TINY.num_params() == 2 * 592 + 2 * 10 * 8 + 8
     lay = Layout(tp=1, cp=1, pp=1, dp=1, chunk_tokens=40, recompute="none", fp8=False)
     mem = memory_per_gpu(TINY, Workload(50, 2, 5), lay, act_bytes=2)
-    stage = 2 * 592 + 80
+    # every parameter on one stage: layers, the embedding, the untied output layer, the final norm
+    stage = 2 * 592 + 80 + 80 + 8
     assert mem["weights"] == stage * 2 and mem["grads"] == stage * 4 and mem["optimizer"] == stage * 12
-    # the 50-token prompt is cached (it does not fit the 40-token chunk with its answers):
-    # tokens x layers x (K, V) x kv_dim x (2 B values + 4 B float32 gradient accumulators)
-    assert mem["stem_kv_cache"] == 50 * 2 * 2 * 4 * (2 + 4)
+    # the replay plan: a stem [0, 40) (the prompt does not fit the 40-token chunk with its
+    # answers), then one chunk with the prompt's last 10 tokens and the answers. The cache:
+    # stem tokens x layers x (K, V) x kv_dim x (2 B values + 4 B float32 gradient accumulators)
+    assert mem["stem_kv_cache"] == 40 * 2 * 2 * 4 * (2 + 4)
+    # the peak unit is the stem (40 tokens, nothing cached above it, all 40 rows scored)
     per_token_layer = 10.2 * 8 + 3.1 * 4 + 5.1 * 16  # saved activation elements (fitted)
     assert mem["unit_activations"] == pytest.approx(40 * (2 * per_token_layer + 2.0 * 8) * 2)
     logits = 40 * 3.0 * 10 * 4
-    attention = 4 * (12.5 * 40 * 8 + 4.5 * 40 * 8 + 6.0 * 50 * 4)
+    attention = 4 * (12.5 * 40 * 8)
     assert mem["logits_or_attention"] == pytest.approx(max(logits, attention))
     assert mem["logprob_leaves"] == (50 + 10) * 8
     fl = step_flops(TINY, positions=3, pairs=6)
     assert fl["linear"] == 6 * 3 * (2 * (592 - 16) + 80)
     assert fl["attention"] == 12 * 6 * 4 * 2 * 2
+
+
+def test_every_parameter_is_counted_per_pipeline_stage():
+    """Issue 21: the untied output layer is counted (it was missing: 262.7M parameters per
+    GPU of Llama-3-8B at TP=2), on the last stage under PP, the embedding on the first."""
+    m = MODELS["Llama-3-8B"]
+    vh = m.vocab_size * m.hidden_size
+    one = stage_params(m, Layout(2, 4, 1, 1, 8192, "none", False))
+    assert one["total"] == pytest.approx(m.num_params() / 2)  # PP = 1: every parameter, split over TP
+    two = stage_params(m, Layout(2, 1, 2, 1, 8192, "none", False))
+    per_layer = m.params_per_layer()
+    assert two["total"] == pytest.approx((16 * per_layer + max(vh, vh + m.hidden_size)) / 2)
+    tied = ModelSpec("tied", 2, 8, 2, 1, 16, 10, tied_embeddings=True)
+    assert stage_params(tied, Layout(1, 1, 1, 1, 64, "none", False))["total"] == tied.num_params()
+    # under PP the last stage keeps its own copy of the tied embedding (Megatron's output_layer)
+    assert stage_params(tied, Layout(1, 1, 2, 1, 64, "none", False))["total"] == 592 + 80 + 8
+
+
+# Published sizes (model cards; one or two significant decimals, so 1% for the totals).
+PUBLISHED = {"Llama-3-8B": 8.03e9, "Qwen2.5-7B": 7.61e9, "Qwen3-8B": 8.2e9, "Qwen2.5-14B": 14.7e9,
+             "Qwen2.5-32B": 32.5e9, "Qwen3-30B-A3B": 30.5e9}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_preset_parameter_counts_match_their_published_size(name):
+    assert MODELS[name].num_params() == pytest.approx(PUBLISHED[name], rel=0.01)
+
+
+def test_exact_counts_where_the_safetensors_are_known():
+    assert MODELS["Llama-3-8B"].num_params() == 8_030_261_248  # Meta's safetensors
+    moe = MODELS["Qwen3-30B-A3B"]
+    assert moe.num_params() == pytest.approx(30.5e9, rel=0.002)
+    assert moe.active_params() == pytest.approx(3.3e9, rel=0.02)  # "3.3B activated" (card rounds down)
+
+
+def test_the_plan_uses_the_memory_function_bench_scale_checks():
+    """``plan`` reports what :func:`replay_peak_parts` gives for the workload's tree on the
+    busiest CP rank: the function ``megatron-branch bench-scale`` compares with measured peaks."""
+    m, w = TINY, Workload(60, 3, 7)
+    lay = Layout(tp=1, cp=2, pp=1, dp=1, chunk_tokens=32, recompute="none", fp8=False)
+    mem = memory_per_gpu(m, w, lay)
+    ranks = replay_peak_parts(m, workload_tree(60, 3, 7), chunk_tokens=32, cp=2, act_bytes=2)
+    busiest = max(ranks, key=lambda parts: sum(parts.values()))
+    assert {k: mem[k] for k in busiest} == busiest
+    assert sum(busiest.values()) == max(replay_peak_bytes(m, workload_tree(60, 3, 7), chunk_tokens=32, cp=2,
+                                                          act_bytes=2))
 
 
 def test_parallel_layout_divides_memory():
@@ -50,7 +100,11 @@ def test_parallel_layout_divides_memory():
     a, b = memory_per_gpu(m, w, lay1), memory_per_gpu(m, w, lay8)
     assert b["weights"] == pytest.approx(a["weights"] / 2)
     assert b["optimizer"] == pytest.approx(a["optimizer"] / 8)
-    assert b["stem_kv_cache"] == pytest.approx(a["stem_kv_cache"] / 8)
+    # CP shards are balanced by attention work, not tokens: the busiest rank's share of the
+    # cached prompt is a little over a quarter (TP halves the KV heads); the shares add up
+    assert a["stem_kv_cache"] / 8 <= b["stem_kv_cache"] <= 1.1 * a["stem_kv_cache"] / 8
+    ranks = replay_peak_parts(m, workload_tree(131072, 16, 3072), chunk_tokens=8192, tp=2, cp=4)
+    assert sum(r["stem_kv_cache"] for r in ranks) == pytest.approx(a["stem_kv_cache"] / 2)
 
 
 def test_headline_scenario_fits_on_8_h20():
@@ -118,7 +172,8 @@ def test_moe_params_and_memory_by_hand():
     assert TINY_MOE.num_params() == 2 * 624 + 160 + 8 and TINY_MOE.active_params() == 2 * 432 + 160 + 8
     lay = Layout(tp=2, cp=1, pp=1, dp=2, chunk_tokens=40, recompute="none", fp8=False, ep=4)
     mem = memory_per_gpu(TINY_MOE, Workload(50, 2, 5), lay, act_bytes=2)
-    dense, experts = (2 * 240 + 80) / 2, 2 * 384 / 4  # dense over TP, experts over EP
+    # dense over TP (layers, embedding, untied output layer, final norm), experts over EP
+    dense, experts = (2 * 240 + 80 + 80 + 8) / 2, 2 * 384 / 4
     assert mem["weights"] == (dense + experts) * 2 and mem["grads"] == (dense + experts) * 4
     assert mem["optimizer"] == dense * 12 / 2 + experts * 12 / 1  # expert DP = TP x CP x DP / EP = 1
     fl = step_flops(TINY_MOE, positions=3, pairs=0)

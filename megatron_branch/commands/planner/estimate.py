@@ -8,9 +8,12 @@ Memory per GPU (bytes):
   experts are split over EP instead of TP (expert TP = 1) and their optimizer state over
   the expert-data-parallel ranks ``TP x CP x DP / EP``; activations and FLOPs follow the
   *active* parameters (router + top-k experts); the all-to-all time is not modelled;
-* what streaming exact replay keeps (:mod:`megatron_branch.commands.planner.memory`, which counts
-  what the implementation allocates and is checked rank by rank by
-  ``megatron-branch bench-scale``): the path cache (this rank's share of the prompt's
+* parameters of the busiest pipeline stage: its layers, plus the word embedding on the
+  first stage and the output layer (untied, or the tied copy under PP) on the last;
+* what streaming exact replay keeps on the busiest CP rank
+  (:func:`megatron_branch.commands.planner.memory.replay_peak_parts` on the workload's
+  tree: the very function ``megatron-branch bench-scale`` checks rank by rank against
+  measured peaks): the path cache (this rank's share of the prompt's
   K/V plus float32 gradient accumulators), one unit's saved activations and gathered
   K/V, the larger of its logits and its attention backward's workspace, and the stems'
   log-prob leaves.
@@ -22,10 +25,11 @@ tree per step leaves stages idle, so only TP x CP x DP GPUs count.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Dict
 
-from megatron_branch.commands.planner.memory import workload_memory
+from megatron_branch.commands.planner.memory import replay_peak_parts, workload_tree
 from megatron_branch.commands.planner.presets import GPUSpec, ModelSpec
 
 GB = 1e9
@@ -79,21 +83,54 @@ class Layout:
     ep: int = 1  # expert parallelism (MoE), carved out of TP x CP x DP
 
 
-def memory_per_gpu(model: ModelSpec, work: Workload, lay: Layout, act_bytes: int = 2) -> Dict[str, float]:
-    """Bytes per GPU by component (the largest pipeline stage): parameters, gradients and
-    optimizer state, plus what the replay keeps
-    (:func:`megatron_branch.commands.planner.memory.workload_memory`)."""
+def stage_params(model: ModelSpec, lay: Layout) -> Dict[str, float]:
+    """Parameters one GPU holds, for the pipeline stage that holds the most: its layers'
+    dense parameters split over TP and their routed experts split over EP, plus, on the
+    first stage, the word embedding and, on the last, the output layer (a separate matrix
+    when untied; Megatron's copy of the embedding when tied and ``PP > 1``) and the final
+    norm. With ``PP = 1`` one stage holds all of them.
+
+    Returns:
+        ``{"dense", "experts", "total"}`` parameters per GPU.
+    """
     layers = -(-model.num_layers // lay.pp)
-    dense = (layers * model.dense_params_per_layer() + model.vocab_size * model.hidden_size) / lay.tp
+    embedding = model.vocab_size * model.hidden_size
+    output = embedding if (not model.tied_embeddings or lay.pp > 1) else 0
+    if lay.pp == 1:
+        extra = embedding + output + model.hidden_size
+    else:  # the first stage (embedding) or the last (output layer and final norm), the larger
+        extra = max(embedding, output + model.hidden_size)
+    dense = (layers * model.dense_params_per_layer() + extra) / lay.tp
     experts = layers * model.expert_params_per_layer() / lay.ep
-    stage_params = dense + experts
-    replay = workload_memory(model, work.prompt_len, work.rollouts, work.response_len,
-                             chunk_tokens=lay.chunk_tokens, tp=lay.tp, cp=lay.cp, pp=lay.pp,
-                             recompute=lay.recompute, act_bytes=act_bytes)
+    return {"dense": dense, "experts": experts, "total": dense + experts}
+
+
+@functools.lru_cache(maxsize=8)
+def _tree(work: Workload):
+    return workload_tree(work.prompt_len, work.rollouts, work.response_len, work.num_prompts)
+
+
+@functools.lru_cache(maxsize=4096)
+def replay_memory(model: ModelSpec, work: Workload, chunk_tokens: int, tp: int, cp: int, pp: int, recompute: str,
+                  act_bytes: int) -> Dict[str, float]:
+    """What the replay keeps on the busiest CP rank (bytes by part):
+    :func:`megatron_branch.commands.planner.memory.replay_peak_parts` on the workload's
+    tree, the function ``megatron-branch bench-scale`` checks against measured peaks."""
+    ranks = replay_peak_parts(model, _tree(work), chunk_tokens=chunk_tokens, tp=tp, cp=cp, pp=pp,
+                              act_bytes=act_bytes, recompute=recompute)
+    return max(ranks, key=lambda parts: sum(parts.values()))
+
+
+def memory_per_gpu(model: ModelSpec, work: Workload, lay: Layout, act_bytes: int = 2) -> Dict[str, float]:
+    """Bytes per GPU by component (the largest pipeline stage, the busiest CP rank):
+    parameters, gradients and optimizer state (:func:`stage_params`), plus what the replay
+    keeps (:func:`replay_memory`)."""
+    params = stage_params(model, lay)
+    replay = replay_memory(model, work, lay.chunk_tokens, lay.tp, lay.cp, lay.pp, lay.recompute, act_bytes)
     return {
-        "weights": stage_params * (2 + (1 if lay.fp8 else 0)),
-        "grads": stage_params * 4,
-        "optimizer": dense * 12 / (lay.dp * lay.cp) + experts * 12 * lay.ep / (lay.tp * lay.cp * lay.dp),
+        "weights": params["total"] * (2 + (1 if lay.fp8 else 0)),
+        "grads": params["total"] * 4,
+        "optimizer": params["dense"] * 12 / (lay.dp * lay.cp) + params["experts"] * 12 * lay.ep / (lay.tp * lay.cp * lay.dp),
         **replay,
     }
 

@@ -23,7 +23,9 @@ and counts, per rank:
   queries x hidden) plus the unit's gathered ``dK``/``dV``.
 
 The path's K/V are never gathered (the prefix attention runs where the keys live), so
-nothing else grows with the prompt. The constants are fitted on single-process fp32 runs
+nothing else grows with the prompt. ``megatron-branch plan`` uses exactly this function
+(:func:`replay_peak_parts`, on the workload's tree, :func:`workload_tree`), and so does
+``megatron-branch bench-scale``, which checks it against measured peaks. The constants are fitted on single-process fp32 runs
 of Megatron's local layers (:func:`megatron_branch.commands.planner.validate.validate_on_cpu` and
 ``tests/test_planner.py``); ``megatron-branch bench-scale`` checks them, rank by rank,
 on context-parallel runs they were not fitted on.
@@ -31,7 +33,7 @@ on context-parallel runs they were not fitted on.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -40,6 +42,7 @@ from megatron_branch.flops import ModelShape
 from megatron_branch.replay.plan import plan_replay
 from megatron_branch.scoring.output_rows import scored_tokens
 from megatron_branch.scoring.unit import shape_linear_weight
+from megatron_branch.tree import BranchTree
 
 # saved activation elements per token per layer: a_h * hidden + a_kv * kv_dim + a_ffn * ffn
 LAYER_ELEMS = (10.2, 3.1, 5.1)
@@ -100,10 +103,14 @@ def cache_bytes(spec, rows: int, *, tp: int, layers: int, act_bytes: int, exact:
     return rows * layers * 2 * kv_dim * (act_bytes + (4 if exact else 0))
 
 
-def replay_peak_bytes(spec, tree, *, chunk_tokens: Optional[int], tp: int = 1, cp: int = 1, pp: int = 1,
-                      score_mask=None, act_bytes: int = 2, exact: bool = True) -> List[float]:
+def replay_peak_parts(spec, tree, *, chunk_tokens: Optional[int], tp: int = 1, cp: int = 1, pp: int = 1,
+                      score_mask=None, act_bytes: int = 2, exact: bool = True,
+                      recompute: str = "none") -> List[Dict[str, float]]:
     """Peak bytes of one streaming exact replay step (``recompute_stem=True``) per CP rank,
-    above the weights, gradients and optimizer state.
+    above the weights, gradients and optimizer state, by part: ``stem_kv_cache`` (values
+    and float32 gradient accumulators), ``unit_activations`` (saved activations and
+    gathered K/V of the unit at its peak), ``logits_or_attention`` (the larger of the
+    two), ``logprob_leaves``.
 
     Args:
         spec: a :class:`~megatron_branch.commands.planner.presets.ModelSpec`.
@@ -113,6 +120,7 @@ def replay_peak_bytes(spec, tree, *, chunk_tokens: Optional[int], tp: int = 1, c
         score_mask: ``[R, max_len - 1]`` scored positions (``None``: all).
         act_bytes: bytes per activation element (4 fp32, 2 bf16).
         exact: exact replay keeps float32 gradient accumulators for the cache.
+        recompute: Megatron's activation recompute (``"none"`` or ``"full"``).
     """
     layers = -(-spec.num_layers // pp)
     ops = plan_replay(tree, chunk_tokens)
@@ -128,7 +136,7 @@ def replay_peak_bytes(spec, tree, *, chunk_tokens: Optional[int], tp: int = 1, c
     stem_rows = [0.0] * cp
     depth_rows = [0.0] * cp
     stack: List[List[int]] = []
-    work = [0.0] * cp
+    peak: List[Dict[str, float]] = [{"unit_activations": 0.0, "logits_or_attention": 0.0} for _ in range(cp)]
     for op in ops:
         if op.kind == "pop":
             for r, n in enumerate(stack.pop()):
@@ -143,41 +151,37 @@ def replay_peak_bytes(spec, tree, *, chunk_tokens: Optional[int], tp: int = 1, c
         scored_rows = [int(parent_scored[op.start + lo:op.start + min(hi, n)].sum()) if hi > lo else 0
                        for lo, hi in bounds]
         for r, (lo, hi) in enumerate(bounds):
-            work[r] = max(work[r], unit_bytes(spec, hi - lo, total, scored_rows[r], tp=tp, cp=cp, layers=layers,
-                                              act_bytes=act_bytes, cached_rows=int(depth_rows[r]),
-                                              has_path=bool(stack)))
+            p = unit_parts(spec, hi - lo, total, scored_rows[r], tp=tp, cp=cp, layers=layers, act_bytes=act_bytes,
+                           cached_rows=int(depth_rows[r]), has_path=bool(stack), recompute=recompute)
+            unit = {"unit_activations": p["activations"] + p["gathered_kv"],
+                    "logits_or_attention": max(p["logits"], p["attention"])}
+            if sum(unit.values()) > sum(peak[r].values()):
+                peak[r] = unit
         if op.kind == "stem":
             stack.append(rows)
             for r in range(cp):
                 depth_rows[r] += rows[r]
                 stem_rows[r] = max(stem_rows[r], depth_rows[r])
     known = tree.unique_positions * 4 * (2 if exact else 1) if stem_rows[0] else 0
-    return [cache_bytes(spec, stem_rows[r], tp=tp, layers=layers, act_bytes=act_bytes, exact=exact) + known + work[r]
-            for r in range(cp)]
+    return [{"stem_kv_cache": cache_bytes(spec, stem_rows[r], tp=tp, layers=layers, act_bytes=act_bytes, exact=exact),
+             **peak[r], "logprob_leaves": float(known)} for r in range(cp)]
 
 
-def workload_memory(spec, prompt_len: int, rollouts: int, response_len: int, *, chunk_tokens: int, tp: int,
-                    cp: int, pp: int, recompute: str = "none", act_bytes: int = 2) -> dict:
-    """The same accounting for the planner's workloads (prompts of ``prompt_len`` with
-    ``rollouts`` answers of ``response_len``; streaming exact replay with
-    ``recompute_stem=True``), split evenly over CP, without building a tree: the peak is
-    a chunk of answers (every token scored) under the cached prompt.
+def replay_peak_bytes(spec, tree, **kwargs) -> List[float]:
+    """Total of :func:`replay_peak_parts` per CP rank (what ``megatron-branch bench-scale``
+    compares with the measured peaks, rank by rank)."""
+    return [sum(parts.values()) for parts in replay_peak_parts(spec, tree, **kwargs)]
 
-    Returns:
-        Bytes per GPU by part: ``stem_kv_cache`` (values and float32 gradient
-        accumulators), ``unit_activations`` (saved activations and gathered K/V),
-        ``logits_or_attention`` (the larger of the two), ``logprob_leaves``.
-    """
-    layers = -(-spec.num_layers // pp)
-    tails = rollouts * response_len
-    stems = prompt_len if prompt_len + tails > chunk_tokens else 0
-    unit = min(chunk_tokens, prompt_len + tails)
-    local = unit / cp
-    parts = unit_parts(spec, local, unit, local, tp=tp, cp=cp, layers=layers, act_bytes=act_bytes,
-                       cached_rows=stems / cp, has_path=bool(stems), recompute=recompute)
-    return {
-        "stem_kv_cache": cache_bytes(spec, stems / cp, tp=tp, layers=layers, act_bytes=act_bytes),
-        "unit_activations": parts["activations"] + parts["gathered_kv"],
-        "logits_or_attention": max(parts["logits"], parts["attention"]),
-        "logprob_leaves": (prompt_len + tails) * 8.0 if stems else 0.0,
-    }
+
+def workload_tree(prompt_len: int, rollouts: int, response_len: int, num_prompts: int = 1):
+    """The packed tree of a planner workload: ``num_prompts`` prompts of ``prompt_len``
+    tokens, each with ``rollouts`` distinct answers of ``response_len`` (one level of
+    sharing). The token ids are arbitrary; the plan and the memory depend on the shape."""
+    seqs = []
+    for p in range(num_prompts):
+        prompt = torch.full((prompt_len,), 2 * p, dtype=torch.long)
+        for r in range(rollouts):
+            answer = torch.full((response_len,), 2 * p + 1, dtype=torch.long)
+            answer[0] = 2 * num_prompts + r  # answers differ from their first token
+            seqs.append(torch.cat([prompt, answer]))
+    return BranchTree.from_sequences(seqs)

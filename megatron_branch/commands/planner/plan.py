@@ -65,7 +65,10 @@ def plan(model: ModelSpec, work: Workload, gpu: GPUSpec, gpus: int, mfu: float =
                          f"{model.num_layers} layers)")
     fitting = [o for o in options if o["fits"]]
     if fitting:
-        best = min(fitting, key=lambda o: (o["seconds"], o["layout"]["pp"], -o["layout"]["chunk_tokens"]))
+        # the time model does not model communication, so layouts that keep the same GPUs
+        # busy tie: the one with the most memory headroom wins
+        best = min(fitting, key=lambda o: (round(o["seconds"], 6), o["layout"]["pp"], -o["layout"]["chunk_tokens"],
+                                           o["memory_total_bytes"]))
         reason = ""
     else:
         best = min(options, key=lambda o: o["memory_total_bytes"])
@@ -107,6 +110,9 @@ def format_plan(result: Dict) -> str:
                  f"{b['naive_seconds']:.1f} s at the same MFU")
     if result["reason"]:
         lines.append(result["reason"])
+    lines.append("an estimate, not measured on a GPU: the memory model is fitted on CPU fp32 runs and checked rank "
+                 "by rank by megatron-branch bench-scale; bf16/FP8 activations, TE workspaces, NCCL buffers and "
+                 "allocator fragmentation are not measured; communication time is not modelled")
     return "\n".join(lines)
 
 
