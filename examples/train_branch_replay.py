@@ -254,11 +254,13 @@ def build(args):
 
 
 def behaviour_logprobs(args, ddp, items, width, num_rollouts, sequences):
-    """``[R, width]`` log-probs of this rank's rollouts under the current policy (zeros elsewhere)."""
-    out = torch.zeros(num_rollouts, width)
+    """``[R, width]`` log-probs of this rank's rollouts under the current policy (zeros
+    elsewhere), on the model's device (the collectives of ``global_logprobs`` need it there)."""
+    device = next(ddp.parameters()).device
+    out = torch.zeros(num_rollouts, width, device=device)
 
     def keep(lp, ids):
-        out[ids] = lp.detach().float().cpu()
+        out[ids.to(device)] = lp.detach().float()
         return lp.new_zeros(())
 
     if args.naive:
@@ -269,14 +271,15 @@ def behaviour_logprobs(args, ddp, items, width, num_rollouts, sequences):
             mask = None if item.score_mask is None else item.score_mask[:, : item.tree.max_len - 1]
             lp = mb.replay_logprobs(ddp, item.tree, max_chunk_tokens=args.chunk_tokens, score_mask=mask,
                                     cp_comm_type=args.cp_comm)
-            out[item.rollouts] = item.pad(lp).float().cpu()
+            out[item.rollouts.to(device)] = item.pad(lp).float()
     else:
         forward_backward([ddp], items, keep, forward_only=True, cp_comm_type=args.cp_comm)
     return out
 
 
 def global_logprobs(local: torch.Tensor) -> torch.Tensor:
-    """Every rollout's log-probs on every rank: each lives on one DP rank's last stage."""
+    """Every rollout's log-probs on every rank: each lives on one DP rank's last stage.
+    ``local`` stays on the model's device (NCCL reduces CUDA tensors only)."""
     full = local.clone()
     for group in (parallel_state.get_data_parallel_group(), parallel_state.get_pipeline_model_parallel_group()):
         if dist.get_world_size(group) > 1:
@@ -372,7 +375,7 @@ def main(argv=None) -> int:
         if step == start and args.dump_logprobs:
             lp_all = global_logprobs(old)
             if rank == 0:
-                save_tensors(args.dump_logprobs, {"logprobs": lp_all})
+                save_tensors(args.dump_logprobs, {"logprobs": lp_all.cpu()})
         heartbeat(f"step {step}: optimizer")
         if args.optimizer == "megatron":
             ok, grad_norm, _ = optimizer_step(optimizer)

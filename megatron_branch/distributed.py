@@ -69,6 +69,58 @@ def default_timeout() -> float:
     return value
 
 
+def choose_cuda_device(local_rank: Optional[int], visible: int, current: Optional[int]) -> int:
+    """The CUDA device index this process should use.
+
+    Args:
+        local_rank: torchrun's ``LOCAL_RANK`` (``None`` when not launched by it).
+        visible: ``torch.cuda.device_count()``.
+        current: a device the process already selected (``torch.cuda.set_device``), or
+            ``None`` when it has not chosen (device 0 by default).
+
+    Raises:
+        ValueError: ``LOCAL_RANK`` beyond the visible devices, or a pre-set device that
+            disagrees with it.
+    """
+    if visible < 1:
+        raise ValueError("CUDA: no visible device (CUDA_VISIBLE_DEVICES); use backend='gloo' on the CPU")
+    if local_rank is None:
+        return current if current is not None else 0
+    if not 0 <= local_rank < visible:
+        raise ValueError(f"LOCAL_RANK={local_rank}: only {visible} CUDA device(s) are visible to this process "
+                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); launch at most "
+                         f"{visible} processes per node, or give each its own devices")
+    if current is not None and current != local_rank:
+        raise ValueError(f"LOCAL_RANK={local_rank}: this process already selected cuda:{current} "
+                         f"(torch.cuda.set_device); every rank would not get its own GPU. Select cuda:{local_rank} "
+                         "or leave the choice to init_distributed")
+    return local_rank
+
+
+def _local_rank() -> Optional[int]:
+    text = os.environ.get("LOCAL_RANK")
+    if text is None or text == "":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"LOCAL_RANK={text!r}: not an integer (set by torchrun)") from None
+
+
+def select_device() -> torch.device:
+    """Select and return this process's device: ``cuda:LOCAL_RANK`` under torchrun with
+    CUDA (:func:`choose_cuda_device`; one already chosen by the process is respected when it
+    agrees), the current CUDA device without torchrun, the CPU without CUDA."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    current = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    if current == 0 and _local_rank() not in (None, 0):
+        current = None  # device 0 is CUDA's default, not a choice
+    index = choose_cuda_device(_local_rank(), torch.cuda.device_count(), current)
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
 def init_distributed(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
@@ -87,8 +139,12 @@ def init_distributed(
             default group and every Megatron group (default: :func:`default_timeout`).
             Applies when the groups are created.
 
+    Every rank selects its own device first (:func:`select_device`: ``cuda:LOCAL_RANK``
+    under torchrun), so that NCCL and ``model.cuda()`` do not crowd device 0.
+
     Raises:
-        ValueError: the parallel sizes do not divide the world size, or a bad timeout.
+        ValueError: the parallel sizes do not divide the world size, a bad timeout, or a
+            ``LOCAL_RANK`` without a device of its own.
     """
     seconds = default_timeout() if timeout is None else float(timeout)
     if not seconds > 0:
@@ -96,6 +152,8 @@ def init_distributed(
     delta = datetime.timedelta(seconds=seconds)
     if not dist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl" or torch.cuda.is_available():
+            select_device()
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend, timeout=delta)
         else:  # one process: an in-memory store, no port to collide on

@@ -157,18 +157,21 @@ def agg_loss(
 
 
 # ----------------------------------------------------------------------------- helpers
-def response_mask(lengths: Sequence[int] | Tensor, prompt_lengths: Sequence[int] | Tensor) -> Tensor:
+def response_mask(lengths: Sequence[int] | Tensor, prompt_lengths: Sequence[int] | Tensor, *,
+                  device=None) -> Tensor:
     """``[R, max_len - 1]`` float mask of the positions that predict a response token.
 
     Position ``t`` predicts token ``t + 1``; it counts when
-    ``prompt_len[r] <= t + 1 < len[r]``.
+    ``prompt_len[r] <= t + 1 < len[r]``. Built on the host; ``device`` moves the result
+    (e.g. the model's).
 
     Raises:
         ValueError: the two lengths lists differ in size, or a prompt is not shorter than
             its rollout.
     """
-    lengths = torch.as_tensor(lengths, dtype=torch.long)
-    prompt_lengths = torch.as_tensor(prompt_lengths, dtype=torch.long)
+    host = torch.device("cpu")  # lengths are host bookkeeping
+    lengths = torch.as_tensor(lengths, dtype=torch.long, device=host)
+    prompt_lengths = torch.as_tensor(prompt_lengths, dtype=torch.long, device=host)
     if lengths.shape != prompt_lengths.shape:
         raise ValueError(
             f"prompt_lengths: {prompt_lengths.numel()} entries for {lengths.numel()} rollouts"
@@ -179,8 +182,9 @@ def response_mask(lengths: Sequence[int] | Tensor, prompt_lengths: Sequence[int]
         raise ValueError(
             f"rollout {r}: prompt_lengths {int(prompt_lengths[r])} must be in [1, {int(lengths[r])})"
         )
-    nxt = torch.arange(1, int(lengths.max()))[None, :]
-    return ((nxt >= prompt_lengths[:, None]) & (nxt < lengths[:, None])).float()
+    nxt = torch.arange(1, int(lengths.max()), device=host)[None, :]
+    mask = ((nxt >= prompt_lengths[:, None]) & (nxt < lengths[:, None])).float()
+    return mask if device is None else mask.to(device)
 
 
 def sequence_logprobs(logprobs: Tensor, mask: Tensor) -> Tensor:

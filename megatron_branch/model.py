@@ -19,6 +19,11 @@ from megatron_branch._megatron import DistributedDataParallel
 
 Chunks = Union[torch.nn.Module, Sequence[torch.nn.Module]]
 
+# The host, for bookkeeping tensors the package keeps there on purpose (tree indices, plans)
+# and moves to the model's device explicitly. Tensors for the model's side are created on
+# ``model_device(model)``; the device tests tell the two apart by this object's identity.
+HOST = torch.device("cpu")
+
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The innermost module under ``Float16Module`` / DDP wrappers (their ``.module``)."""

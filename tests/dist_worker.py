@@ -5,6 +5,7 @@ runs the requested cases and saves, per rank, the unsharded gradients (stock nam
 the per-rollout log-probs. Tensors only (``torch.save`` of dicts of tensors).
 """
 
+import contextlib
 import os
 import warnings
 
@@ -101,9 +102,17 @@ def worker(rank, world, port, layout, cases, weights, out_dir):
         model = wrap_ddp(model)
         data = trees()
         results = {}
-        for name, chunk, comm in cases:
-            batch, tree = data[name]
-            results[f"{name}/{chunk}/{comm}"] = run_case(model, batch, tree, chunk, comm, layout["pp"])
+        audit = contextlib.nullcontext()
+        if layout.get("audit"):  # device discipline of every call (tests/device_audit.py)
+            from device_audit import device_audit
+
+            audit = device_audit()
+        with audit as found:
+            for name, chunk, comm in cases:
+                batch, tree = data[name]
+                results[f"{name}/{chunk}/{comm}"] = run_case(model, batch, tree, chunk, comm, layout["pp"])
+        if found is not None:
+            results["audit"] = {"missing": sorted(set(found.missing)), "collectives": sorted(set(found.bad_collectives))}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         parallel_state.destroy_model_parallel()

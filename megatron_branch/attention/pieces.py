@@ -14,6 +14,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from megatron_branch.model import HOST
 from megatron_branch.tree import BranchSegment
 
 
@@ -97,6 +98,11 @@ class PieceBatch:
     valid: torch.Tensor
     rows: torch.Tensor
 
+    def to(self, device) -> "PieceBatch":
+        """The same batch with its index tensors on ``device``."""
+        return PieceBatch(self.causal, self.q_index.to(device), self.k_index.to(device), self.valid.to(device),
+                          self.rows.to(device))
+
 
 MAX_BATCH_ROWS = 1 << 16  # most query rows gathered for one batched call
 
@@ -122,14 +128,15 @@ def plan_batches(pieces: Sequence[AttentionPiece], max_scores: Optional[int] = N
 
 
 def _batch(members: Sequence[AttentionPiece], causal: bool, nq_b: int, nk_b: int) -> PieceBatch:
-    steps = torch.arange(nq_b)
-    q_lo = torch.tensor([p.q_lo for p in members])[:, None]
-    q_len = torch.tensor([p.q_hi - p.q_lo for p in members])[:, None]
+    # planned on the host; BranchPackedSeqParams moves each batch to the device once per forward
+    steps = torch.arange(nq_b, device=HOST)
+    q_lo = torch.tensor([p.q_lo for p in members], device=HOST)[:, None]
+    q_len = torch.tensor([p.q_hi - p.q_lo for p in members], device=HOST)[:, None]
     valid = steps[None, :] < q_len
     q_index = q_lo + torch.minimum(steps[None, :], q_len - 1)
-    k_lo = torch.tensor([p.k_lo for p in members])[:, None]
+    k_lo = torch.tensor([p.k_lo for p in members], device=HOST)[:, None]
     if causal:  # keys follow the queries (their indices differ under CP, where queries are shard-local)
         k_index = k_lo + torch.minimum(steps[None, :], q_len - 1)
     else:
-        k_index = k_lo + torch.arange(nk_b)[None, :]
+        k_index = k_lo + torch.arange(nk_b, device=HOST)[None, :]
     return PieceBatch(causal, q_index, k_index, valid, q_index[valid])

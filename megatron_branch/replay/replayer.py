@@ -29,7 +29,7 @@ from torch import Tensor
 
 from megatron_branch.attention.path_cache import PathCache, StemRows
 from megatron_branch.losses import batch_part
-from megatron_branch.model import GradSync, model_device
+from megatron_branch.model import HOST, GradSync, model_device
 from megatron_branch.replay.plan import ReplayOp
 from megatron_branch.scoring.unit import ChildIndex, forward_unit
 from megatron_branch.tree import BranchTree
@@ -137,7 +137,7 @@ class Replayer:
         lp_vec = self.lp_known
         if own is not None:
             lp_vec = lp_vec.index_put((own[0].to(self.device),), own[1])
-        ids = torch.tensor(rollouts, dtype=torch.long)
+        ids = torch.tensor(rollouts, dtype=torch.long, device=HOST)  # indexes the host tree rows
         rows = self.tree.rows[ids, 1:].to(self.device)
         lp = torch.where(rows >= 0, lp_vec[rows.clamp(min=0)], torch.zeros((), device=self.device))
         with batch_part(len(rollouts), self.tree.num_rollouts):  # mb.losses refuse per-call normalisers

@@ -184,16 +184,16 @@ def replay_logprobs(
     with those ``group_ids``; the log-probs do not depend on it).
     """
     model = single_chunk(model, "replay_logprobs")
-    out = torch.zeros(tree.num_rollouts, max(tree.max_len - 1, 0), dtype=torch.float32)
+    out = torch.zeros(tree.num_rollouts, max(tree.max_len - 1, 0), dtype=torch.float32, device=model_device(model))
 
     def collect(lp: Tensor, ids: Tensor) -> Tensor:
-        out[ids] = lp.detach().float().cpu()
+        out[ids.to(out.device)] = lp.detach().float()
         return lp.new_zeros(())
 
     with torch.no_grad():
         replay_step(model, tree, collect, max_chunk_tokens=max_chunk_tokens, score_mask=score_mask,
                     cp_comm_type=cp_comm_type, group_ids=group_ids)
-    return out.to(model_device(model))
+    return out
 
 
 def collect_routing_statistics(model, tree: BranchTree, *, max_chunk_tokens: Optional[int] = None,

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from megatron_branch._megatron import gather_from_sequence_parallel_region
-from megatron_branch.model import unwrap
+from megatron_branch.model import HOST, unwrap
 
 
 @contextlib.contextmanager
@@ -85,6 +85,6 @@ def scored_tokens(tree, score_mask: Tensor) -> Tensor:
                          f"got {shape}")
     rows = tree.rows[:, 1:]
     picked = rows[(score_mask.cpu() != 0) & (rows >= 0)]
-    needed = torch.zeros(tree.unique_positions, dtype=torch.bool)
+    needed = torch.zeros(tree.unique_positions, dtype=torch.bool, device=HOST)  # host, like the tree
     needed[picked] = True
     return needed

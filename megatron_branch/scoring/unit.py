@@ -108,7 +108,7 @@ def prepare_unit(
     )
     lo, hi = params.local
     n_pad = params.total - params.num_real
-    ids = torch.cat([tree.tokens[start:end], torch.zeros(n_pad, dtype=torch.long)])[lo:hi]
+    ids = torch.cat([tree.tokens[start:end], torch.zeros(n_pad, dtype=torch.long, device=tree.tokens.device)])[lo:hi]
     return params, ids.to(device)
 
 

@@ -158,7 +158,7 @@ class BranchCoreAttention(MegatronModule):
         else:
             kernel = self.kernel or default_kernel(q.device)
             q_block, k_block = self._blocks(kernel)
-            pieces = params.batches(q_block, k_block)
+            pieces = params.batches(q_block, k_block, q.device)
             out = cascade_attention(
                 q, k, v, pieces, self.softmax_scale, kernel, prefix=prefix,
                 q_block=q_block, k_block=k_block, prefix_cp=params.cp,

@@ -17,6 +17,7 @@ from torch import Tensor
 from megatron_branch._megatron import PackedSeqParams
 from megatron_branch.attention.context_parallel import CPLayout, clip_pieces, needed_shards, shard_bounds
 from megatron_branch.attention.pieces import AttentionPiece, PieceBatch, plan_batches, plan_pieces
+from megatron_branch.model import HOST
 from megatron_branch.tree import BranchSegment, BranchTree
 
 if TYPE_CHECKING:
@@ -117,9 +118,9 @@ class BranchPackedSeqParams(PackedSeqParams):
         total = -(-total // multiple) * multiple
         if total > n:
             pad = total - n
-            positions = torch.cat([positions, torch.arange(pad)])
+            positions = torch.cat([positions, torch.arange(pad, device=HOST)])  # host, like the tree
             multiplicity = torch.cat([multiplicity, multiplicity.new_zeros(pad)])
-            last = torch.cat([last, torch.full((pad,), total - 1, dtype=last.dtype)])
+            last = torch.cat([last, torch.full((pad,), total - 1, dtype=last.dtype, device=HOST)])
             segments.append(BranchSegment(n, total, total, -1))
         layout = None
         if cp_size > 1:
@@ -161,11 +162,17 @@ class BranchPackedSeqParams(PackedSeqParams):
             self._pieces[key] = pieces
         return self._pieces[key]
 
-    def batches(self, q_block: Optional[int], k_block: Optional[int]) -> List[PieceBatch]:
+    def batches(self, q_block: Optional[int], k_block: Optional[int], device=None) -> List[PieceBatch]:
         """The pieces grouped into batched kernel calls, planned once per forward (with
-        ``k_block``, score-materialising kernels: a call holds at most one tile of scores)."""
+        ``k_block``, score-materialising kernels: a call holds at most one tile of scores)
+        and moved to ``device`` once, not per layer."""
         key = ("batches", q_block, k_block)
         if key not in self._pieces:
             max_scores = q_block * k_block if q_block and k_block else None
             self._pieces[key] = plan_batches(self.pieces(q_block, k_block), max_scores)
-        return self._pieces[key]
+        if device is None:
+            return self._pieces[key]
+        on = key + (str(device),)
+        if on not in self._pieces:
+            self._pieces[on] = [b.to(device) for b in self._pieces[key]]
+        return self._pieces[on]

@@ -25,7 +25,7 @@ from megatron_branch._megatron import get_forward_backward_func
 from megatron_branch.cpu import cuda_factories_on_cpu
 from megatron_branch.layout import ParallelLayout
 from megatron_branch.losses import batch_part
-from megatron_branch.model import as_chunks, unwrap
+from megatron_branch.model import HOST, as_chunks, unwrap
 from megatron_branch.scoring.checks import check_model
 from megatron_branch.scoring.logprobs import per_rollout
 from megatron_branch.scoring.output_rows import scored_tokens, select_output_rows
@@ -51,13 +51,15 @@ def padded_length(tree: BranchTree, model) -> int:
     return -(-tree.unique_positions // multiple) * multiple
 
 
-def token_count(count, cp_rank: int) -> Tensor:
-    """Megatron's per-micro-batch token count: an int tensor, reported by CP rank 0 only
-    (every CP rank computes the whole tree's loss; Megatron sums counts over DP x CP)."""
+def token_count(count, cp_rank: int, device) -> Tensor:
+    """Megatron's per-micro-batch token count: an int tensor on the model's ``device``
+    (Megatron all-reduces it in ``finalize_model_grads``; NCCL needs it on the GPU),
+    reported by CP rank 0 only (every CP rank computes the whole tree's loss; Megatron sums
+    counts over DP x CP)."""
     value = float(count)
     if value != round(value):
         raise ValueError(f"loss_fn: num_tokens must be an integer count, got {value}")
-    return torch.tensor(int(round(value)) if cp_rank == 0 else 0, dtype=torch.int)
+    return torch.tensor(int(round(value)) if cp_rank == 0 else 0, dtype=torch.int, device=device)
 
 
 def report(loss: Tensor, tokens: Tensor) -> Tensor:
@@ -148,7 +150,7 @@ def make_forward_step(loss_fn: LossFn, forward_only: bool = False, cp_comm_type:
             idx, lp_child, _ = score_unit(output_tensor[0], tree, 0, n, params, children, unit_rows=rows,
                                           scored=scored)
             lp = lp_child.new_zeros(n).index_put((idx.to(lp_child.device),), lp_child)
-            ids_r = torch.arange(tree.num_rollouts)
+            ids_r = torch.arange(tree.num_rollouts, device=HOST)  # indexes the host rollout ids
             with batch_part(tree.num_rollouts, item.global_rollouts):  # a micro-batch of the global batch
                 out = loss_fn(item.pad(per_rollout(lp, tree)), item.rollouts[ids_r])
             loss, count = (out[0], out[1]) if isinstance(out, (tuple, list)) else (out, None)
@@ -157,7 +159,7 @@ def make_forward_step(loss_fn: LossFn, forward_only: bool = False, cp_comm_type:
                     raise ValueError("loss_fn: must return (loss_sum, num_tokens) for training")
                 return loss, {"lm loss": loss.detach().float().reshape(1)}
             cp_rank = ParallelLayout.current().cp_rank
-            tokens = token_count(count, cp_rank)
+            tokens = token_count(count, cp_rank, lp.device)
             return loss, tokens, {"lm loss": report(loss, tokens)}
 
         return output, loss_func

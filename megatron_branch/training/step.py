@@ -24,7 +24,7 @@ from megatron_branch._megatron import finalize_model_grads
 from megatron_branch.cpu import cuda_factories_on_cpu
 from megatron_branch.layout import ParallelLayout
 from megatron_branch.losses import batch_part
-from megatron_branch.model import as_chunks, is_megatron_ddp, unwrap
+from megatron_branch.model import as_chunks, is_megatron_ddp, model_device, unwrap
 from megatron_branch.replay.step import replay_step, split_loss
 from megatron_branch.training.ddp import zero_grads
 from megatron_branch.training.optimizer import check_optimizer, optimizer_step
@@ -159,7 +159,8 @@ def train_step(model, optimizer, data: Sequence[MicroBatch], loss_fn: LossFn, **
 def _streaming(model, items: List, loss_fn: LossFn, config, **replay) -> tuple:
     """Streaming replay per micro-batch; DDP reduces in the last micro-batch's final backward."""
     cp_rank = ParallelLayout.current().cp_rank
-    total = torch.zeros([], dtype=torch.int)
+    device = model_device(model)
+    total = torch.zeros([], dtype=torch.int, device=device)  # Megatron all-reduces it in finalize
     loss_sum = 0.0
     scale = config.grad_scale_func
     for i, item in enumerate(items):
@@ -176,7 +177,7 @@ def _streaming(model, items: List, loss_fn: LossFn, config, **replay) -> tuple:
         mask = None if item.score_mask is None else item.score_mask[:, : max(item.tree.max_len - 1, 0)]
         with ctx:
             stats = replay_step(model, item.tree, chunk_loss, score_mask=mask, **replay)
-        total += token_count(stats.num_tokens, cp_rank)
+        total += token_count(stats.num_tokens, cp_rank, device)
         loss_sum += stats.loss
     finalize = config.finalize_model_grads_func or finalize_model_grads
     with cuda_factories_on_cpu():

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from megatron_branch._megatron import compute_routing_scores_for_aux_loss
+from megatron_branch.model import HOST
 from megatron_branch.spec.packed_seq import BranchPackedSeqParams
 from megatron_branch.tree import BranchTree
 
@@ -132,7 +133,7 @@ class TreeTokens:
                              f"{hi - lo} on this rank ({sp_size} sequence-parallel parts)")
         off = sp_rank * num_tokens
         weights = params.multiplicity[off:off + num_tokens].to(device=device, dtype=torch.float32)
-        index = params.start + lo + off + torch.arange(num_tokens)
+        index = params.start + lo + off + torch.arange(num_tokens, device=HOST)  # host, like the tree
         index[index >= params.start + params.num_real] = -1
         tree = params.tree
         complete = params.start == 0 and params.num_real == tree.unique_positions
