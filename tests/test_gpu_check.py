@@ -1,0 +1,58 @@
+"""``tools/gpu_check.py`` tells the truth on a machine without a GPU: it refuses to run,
+and its report cannot pass by skipping (the section logic runs here on plain functions)."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(ROOT, "tools", "gpu_check.py")
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("gpu_check", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the check itself runs there")
+def test_without_cuda_it_exits_non_zero_and_says_so():
+    proc = subprocess.run([sys.executable, TOOL, "--quick", "--out", os.devnull], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert "needs a CUDA GPU" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_a_skipped_section_fails_the_run():
+    tool = _tool()
+
+    def te():
+        raise tool.Skip("Transformer Engine is not importable")
+
+    lines = []
+    report = tool.run_sections([("ok", lambda: {"passed": True}), ("te", te)], echo=lines.append)
+    assert report["sections"]["ok"]["status"] == "passed"
+    assert report["sections"]["te"] == {"status": "skipped", "reason": "Transformer Engine is not importable",
+                                        "seconds": report["sections"]["te"]["seconds"]}
+    assert report["status"] == "failed" and report["not_passed"] == ["te"]
+    assert lines == ["ok: passed", "te: skipped (Transformer Engine is not importable)"]
+
+
+def test_errors_and_failures_are_recorded_and_every_section_runs():
+    tool = _tool()
+
+    def broken():
+        raise RuntimeError("kernel launch failed")
+
+    report = tool.run_sections([("a", broken), ("b", lambda: {"passed": False, "x": 1}),
+                                ("c", lambda: {"passed": True})], echo=lambda line: None)
+    assert report["sections"]["a"]["status"] == "failed" and "kernel launch failed" in report["sections"]["a"]["error"]
+    assert report["sections"]["b"]["status"] == "failed" and report["sections"]["b"]["x"] == 1
+    assert report["sections"]["c"]["status"] == "passed"
+    assert report["status"] == "failed" and report["not_passed"] == ["a", "b"]
+    assert tool.run_sections([], echo=lambda line: None)["status"] == "failed"  # nothing ran: not a pass
