@@ -10,14 +10,21 @@ rounding (seen: 5e-9 next to a maximum of 3e-2) into a full ``lr``-sized move, i
 and replay alike, so the comparison would measure Adam's amplification of rounding.
 """
 
+import importlib.util
+import os
 import subprocess
 import sys
 
 import pytest
 from safetensors.torch import load_file
-from torchrun import TRAIN, run_example
+from torchrun import ROOT, TRAIN, run_example
 
-DATA = ["--prompts", "48", "32", "40", "24", "--jitter", "6", "--adam-eps", "1e-6", "--seed", "3"]
+# the layouts and data of the agreement table (tools/agreement.py training writes it)
+_spec = importlib.util.spec_from_file_location("agreement", os.path.join(ROOT, "tools", "agreement.py"))
+agreement = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(agreement)
+DATA, LAYOUTS, GUARD, BF16, rel_errors = (agreement.DATA, agreement.LAYOUTS, agreement.GUARD, agreement.BF16,
+                                          agreement.rel_errors)
 
 
 def params(tmp_path, tag, nproc, *flags, steps=3):
@@ -32,22 +39,6 @@ def truth(tmp_path_factory):
     init, _ = params(tmp, "init", 1, steps=0)
     naive, _ = params(tmp, "naive", 1, "--naive")
     return init, naive
-
-
-def rel_errors(got, ref, init):
-    assert set(got) == set(ref)
-    return {k: float((got[k] - ref[k]).norm() / (ref[k] - init[k]).norm().clamp(min=1e-30)) for k in ref}
-
-
-LAYOUTS = {
-    "dp2-distopt": (2, ["--distributed-optimizer"]),
-    "tp2-dp2-streaming-overlap": (4, ["--tp", "2", "--sequence-parallel", "--chunk-tokens", "24",
-                                      "--overlap-grad-reduce", "--bucket-size", "4000",
-                                      "--micro-batch-tokens", "200"]),
-    "pp2-dp2-microbatches": (4, ["--pp", "2", "--micro-batch-tokens", "200", "--distributed-optimizer"]),
-    "pp2-cp2": (4, ["--pp", "2", "--cp", "2", "--cp-comm", "p2p", "--micro-batch-tokens", "200"]),
-    "dp1-microbatches-torch-adam": (1, ["--micro-batch-tokens", "200", "--optimizer", "torch"]),
-}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -66,14 +57,14 @@ def test_layout_dependent_normalisation_is_caught(truth, tmp_path):
     """The guard: single rollouts dealt over DP ranks, each micro-batch normalised by its own
     token count (Megatron's default mean), moves the parameters measurably."""
     init, naive = truth
-    got, _ = params(tmp_path, "cut", 2, "--cut-groups", "--per-microbatch-mean", "--micro-batch-tokens", "150")
+    got, _ = params(tmp_path, "cut", GUARD[0], *GUARD[1])
     assert max(rel_errors(got, naive, init).values()) > 1e-2
 
 
 def test_bf16_within_twice_naive_bf16_error(truth, tmp_path):
     _, naive = truth
     naive_bf16, _ = params(tmp_path, "naive-bf16", 1, "--naive", "--bf16")
-    got, _ = params(tmp_path, "bf16", 2, "--bf16", "--distributed-optimizer", "--micro-batch-tokens", "200")
+    got, _ = params(tmp_path, "bf16", BF16[0], *BF16[1])
     for k in naive:
         err = float((got[k] - naive[k]).norm())
         base = float((naive_bf16[k] - naive[k]).norm())
