@@ -204,3 +204,15 @@ def test_qwen3_30b_a3b_preset_and_plan(tmp_path):
                            "--gpu", "H200"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "3.4B active" in proc.stdout and "EP=" in proc.stdout
+
+
+def test_a_preset_whose_counts_do_not_add_up_is_refused():
+    with pytest.raises(ValueError, match="bad: num_attention_heads 30 is not a multiple of num_kv_heads 8"):
+        ModelSpec("bad", 32, 4096, 30, 8, 14336, 128256)
+    with pytest.raises(ValueError, match="bad: hidden_size 4001 is not divisible by num_attention_heads 32"):
+        ModelSpec("bad", 32, 4001, 32, 8, 14336, 128256)
+    with pytest.raises(ValueError, match="bad: vocab_size must be >= 1"):
+        ModelSpec("bad", 32, 4096, 32, 8, 14336, 0)
+    with pytest.raises(ValueError, match=r"bad: experts_per_token 9 must be in \[1, num_experts 8\]"):
+        ModelSpec("bad", 2, 64, 4, 2, 9 * 16, 100, num_experts=8, experts_per_token=9, moe_ffn_hidden_size=16)
+

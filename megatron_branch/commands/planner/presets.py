@@ -34,6 +34,19 @@ class ModelSpec:
     moe_ffn_hidden_size: int = 0
 
     def __post_init__(self):
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size",
+                     "vocab_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{self.name}: {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ValueError(f"{self.name}: num_attention_heads {self.num_attention_heads} is not a multiple of "
+                             f"num_kv_heads {self.num_kv_heads}")
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"{self.name}: hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                             f"{self.num_attention_heads}; give head_dim")
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(f"{self.name}: experts_per_token {self.experts_per_token} must be in "
+                             f"[1, num_experts {self.num_experts}]")
         if self.num_experts and self.ffn_hidden_size != self.experts_per_token * self.moe_ffn_hidden_size:
             raise ValueError(f"{self.name}: ffn_hidden_size of a MoE is experts_per_token x moe_ffn_hidden_size "
                              f"({self.experts_per_token * self.moe_ffn_hidden_size}), got {self.ffn_hidden_size}")
