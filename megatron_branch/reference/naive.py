@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from megatron_branch._megatron import vocab_parallel_cross_entropy
+from megatron_branch.scoring.temperature import Temperatures
 
 
 def _as_list(sequences) -> List[Tensor]:
@@ -29,25 +30,35 @@ def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
     return -nll.t()
 
 
-def naive_rollout_logprobs(model, sequences: Sequence) -> Tensor:
-    """``[R, max_len - 1]`` log-probs, each rollout run alone with a causal mask."""
+def _per_rollout_temperature(temperature, num: int) -> Tensor:
+    """``[R]`` float temperatures (validated like the tree path's)."""
+    temps = Temperatures.of(temperature, num)
+    return temps.values[temps.column]
+
+
+def naive_rollout_logprobs(model, sequences: Sequence, temperature=None) -> Tensor:
+    """``[R, max_len - 1]`` log-probs, each rollout run alone with a causal mask; with a
+    ``temperature`` (one number or one per rollout), of ``log_softmax(logits / T)``."""
     seqs = _as_list(sequences)
+    temps = _per_rollout_temperature(temperature, len(seqs))
     device = next(model.parameters()).device
     width = max(s.numel() for s in seqs) - 1
     rows = []
-    for s in seqs:
+    for r, s in enumerate(seqs):
         n = s.numel()
         ids = s.to(device).unsqueeze(0)
         pos = torch.arange(n, device=device).unsqueeze(0)
         # Megatron convention: True = masked out; [1, 1, n, n]
         mask = torch.ones(n, n, dtype=torch.bool, device=device).triu(1)[None, None]
         logits = model(ids, pos, attention_mask=mask)
-        lp = token_logprobs(logits[:, :-1], ids[:, 1:])[0]
+        t = float(temps[r])
+        lp = token_logprobs(logits[:, :-1] / t if t != 1.0 else logits[:, :-1], ids[:, 1:])[0]
         rows.append(torch.nn.functional.pad(lp, (0, width - lp.numel())))
     return torch.stack(rows)
 
 
-def batched_rollout_logprobs(model, sequences: Sequence, multiple: int = 1, *, fused_causal: bool = False) -> Tensor:
+def batched_rollout_logprobs(model, sequences: Sequence, multiple: int = 1, *, fused_causal: bool = False,
+                             temperature=None) -> Tensor:
     """``[R, max_len - 1]`` log-probs from one right-padded batch (causal attention).
 
     Padding sits after each rollout's end, so with causal attention it never influences
@@ -56,9 +67,10 @@ def batched_rollout_logprobs(model, sequences: Sequence, multiple: int = 1, *, f
     passes no mask tensor, so the layer's own causal mask type applies: on the branch spec
     that is torch's fused ``is_causal`` SDPA, the kernel family of the tree path (the
     fair naive of the benchmarks); the default explicit ``[w, w]`` mask is what the stock
-    local spec needs.
+    local spec needs. ``temperature``: one number or one per rollout (``logits / T``).
     """
     seqs = _as_list(sequences)
+    temps = _per_rollout_temperature(temperature, len(seqs))
     device = next(model.parameters()).device
     lengths = torch.tensor([s.numel() for s in seqs], device=device)
     max_len = int(lengths.max())
@@ -68,13 +80,15 @@ def batched_rollout_logprobs(model, sequences: Sequence, multiple: int = 1, *, f
         ids[i, : s.numel()] = s.to(device)
     pos = torch.arange(width, device=device).unsqueeze(0).expand(len(seqs), -1)
     mask = None if fused_causal else torch.ones(width, width, dtype=torch.bool, device=device).triu(1)[None, None]
-    logits = model(ids, pos, attention_mask=mask)
-    lp = token_logprobs(logits[:, : max_len - 1], ids[:, 1:max_len])
+    logits = model(ids, pos, attention_mask=mask)[:, : max_len - 1]
+    if not bool((temps == 1.0).all()):
+        logits = logits / temps.to(logits.device, logits.dtype)[:, None, None]
+    lp = token_logprobs(logits, ids[:, 1:max_len])
     valid = torch.arange(1, max_len, device=device)[None, :] < lengths[:, None]
     return torch.where(valid, lp, torch.zeros((), device=device))
 
 
-def make_naive_forward_step(loss_fn, sequences: Sequence, forward_only: bool = False):
+def make_naive_forward_step(loss_fn, sequences: Sequence, forward_only: bool = False, temperature=None):
     """The naive truth as a Megatron ``forward_step_func``: each micro-batch's rollouts as one
     right-padded causal batch through a stock-spec model (every rollout its own sequence).
 
@@ -82,8 +96,10 @@ def make_naive_forward_step(loss_fn, sequences: Sequence, forward_only: bool = F
     (only ``rollouts`` and ``width`` are used, so the naive run sees exactly the same
     micro-batches as branch replay). ``loss_fn`` is the branch-replay one:
     ``(lp [r, width], rollout_ids [r]) -> (loss_sum, num_tokens)``. Pipeline size 1.
+    ``temperature``: one number or one per rollout of ``sequences``.
     """
     seqs = _as_list(sequences)
+    temps = _per_rollout_temperature(temperature, len(seqs))
 
     def forward_step(data_iterator, model):
         item = next(data_iterator)
@@ -99,6 +115,8 @@ def make_naive_forward_step(loss_fn, sequences: Sequence, forward_only: bool = F
         output = model(ids, pos, attention_mask=mask)
 
         def loss_func(logits: Tensor):
+            t = temps[torch.as_tensor(ids_r, dtype=torch.long, device=temps.device)].to(logits.device, logits.dtype)
+            logits = logits / t[:, None, None] if not bool((t == 1.0).all()) else logits
             lp = token_logprobs(logits[:, :-1], ids[:, 1:])
             valid = torch.arange(1, width, device=device)[None, :] < lengths[:, None]
             lp = torch.where(valid, lp, torch.zeros((), device=device))

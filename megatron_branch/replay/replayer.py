@@ -31,6 +31,8 @@ from megatron_branch.attention.path_cache import PathCache, StemRows
 from megatron_branch.losses import batch_part
 from megatron_branch.model import HOST, GradSync, model_device
 from megatron_branch.replay.plan import ReplayOp
+from megatron_branch.scoring.logprobs import per_rollout
+from megatron_branch.scoring.temperature import Temperatures
 from megatron_branch.scoring.unit import ChildIndex, forward_unit
 from megatron_branch.tree import BranchTree
 
@@ -81,20 +83,24 @@ class Replayer:
         cp_comm_type: context-parallel K/V exchange.
         capacity: rows of the path cache (this rank's share of the deepest stem path).
         scored: ``[U]`` bool, the tokens whose log-probs the loss reads (``None``: all).
+        temperatures: the rollouts' sampling temperatures (``None``: 1.0).
     """
 
     def __init__(self, model, tree: BranchTree, loss_fn: LossFn, exact: bool, recompute_stem: bool,
-                 cp_comm_type: str, capacity: int, scored: Optional[Tensor] = None):
+                 cp_comm_type: str, capacity: int, scored: Optional[Tensor] = None,
+                 temperatures: Optional[Temperatures] = None):
         self.model, self.tree, self.loss_fn = model, tree, loss_fn
         self.exact, self.recompute_stem = exact, recompute_stem
         self.cp_comm_type = cp_comm_type
         self.scored = scored
+        self.temps = temperatures or Temperatures.of(1.0, tree.num_rollouts)
         self.grad_on = torch.is_grad_enabled()
         self.device = model_device(model)
         self.stack: List[StemState] = []
         self.cache = PathCache(capacity, requires_grad=exact)
-        # log-probs of the stems' children, a leaf: chunk losses accumulate their gradients
-        self.lp_known = torch.zeros(tree.unique_positions, dtype=torch.float32, device=self.device,
+        # log-probs of the stems' children (a column per temperature), a leaf: chunk losses
+        # accumulate their gradients
+        self.lp_known = torch.zeros(tree.unique_positions, self.temps.count, dtype=torch.float32, device=self.device,
                                     requires_grad=exact)
         self.total = 0.0
         self.count: Optional[float] = None
@@ -123,11 +129,12 @@ class Replayer:
             torch.autograd.backward(tensors, grads)
 
     def forward_unit(self, start: int, end: int, **stem) -> Tuple[Tensor, Tensor]:
-        """Forward the unit ``[start, end)`` below the current path: ``(children [m], lp [m])``."""
+        """Forward the unit ``[start, end)`` below the current path: ``(children [m], lp [m, k])``."""
         self.forwarded += end - start
         idx, lp, _ = forward_unit(
             self.model, self.tree, start, end, self.children, cp_comm_type=self.cp_comm_type,
-            scored=self.scored, cache=self.cache, **stem,
+            scored=self.scored, temperatures=None if self.temps.is_one else self.temps.values,
+            cache=self.cache, **stem,
         )
         return idx, lp
 
@@ -138,8 +145,7 @@ class Replayer:
         if own is not None:
             lp_vec = lp_vec.index_put((own[0].to(self.device),), own[1])
         ids = torch.tensor(rollouts, dtype=torch.long, device=HOST)  # indexes the host tree rows
-        rows = self.tree.rows[ids, 1:].to(self.device)
-        lp = torch.where(rows >= 0, lp_vec[rows.clamp(min=0)], torch.zeros((), device=self.device))
+        lp = per_rollout(lp_vec, self.tree, ids, column=self.temps.column)
         with batch_part(len(rollouts), self.tree.num_rollouts):  # mb.losses refuse per-call normalisers
             loss, count = split_loss(self.loss_fn(lp, ids))
         self.total += float(loss.detach())

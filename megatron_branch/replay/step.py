@@ -42,6 +42,7 @@ from megatron_branch.replay.replayer import LossFn, Replayer, split_loss  # noqa
 from megatron_branch.replay.routing import check_expert_parallel_plan, needs_routing_statistics
 from megatron_branch.scoring.checks import check_model
 from megatron_branch.scoring.output_rows import scored_tokens
+from megatron_branch.scoring.temperature import Temperature, Temperatures
 from megatron_branch.scoring.unit import local_unit_rows
 from megatron_branch.spec.moe import RoutingStatistics, collecting_statistics
 from megatron_branch.spec.moe import routing_statistics as bound_statistics
@@ -95,6 +96,7 @@ def replay_step(
     cp_comm_type: str = "allgather",
     score_mask: Optional[Tensor] = None,
     routing_statistics: Optional[RoutingStatistics] = None,
+    temperature: Optional[Temperature] = None,
 ) -> ReplayStats:
     """One branch-replay forward/backward of ``loss_fn`` over the rollouts of ``tree``.
 
@@ -128,6 +130,8 @@ def replay_step(
         routing_statistics: MoE models: the whole tree's router counts, if already
             collected (:func:`collect_routing_statistics`, e.g. with the old-policy
             log-probs); otherwise a step that needs them collects them itself.
+        temperature: the sampling temperature, one number or one per rollout (log-probs
+            of ``softmax(logits / T)``; :mod:`megatron_branch.scoring.temperature`).
 
     Returns:
         :class:`ReplayStats`. Parameter ``.grad`` (``main_grad`` under Megatron DDP) hold
@@ -142,6 +146,7 @@ def replay_step(
         raise ValueError(f"prefix_grad: {prefix_grad!r} is not one of ('exact', 'detached')")
     model = single_chunk(model, "replay_step")
     check_model(model, tree)
+    temps = Temperatures.of(temperature, tree.num_rollouts)
     ops = plan_replay(tree, max_chunk_tokens, group_ids)
     owners: Dict[int, List[int]] = unit_of_rollouts(tree, ops)
     exact = prefix_grad == "exact" and torch.is_grad_enabled()
@@ -154,7 +159,7 @@ def replay_step(
                                                            group_ids=group_ids, cp_comm_type=cp_comm_type)
     # each CP rank caches only its share of every stem
     capacity = path_capacity(ops, lambda op: local_unit_rows(model, tree, op.start, op.end))
-    run = Replayer(model, tree, loss_fn, exact, recompute_stem, cp_comm_type, capacity, scored)
+    run = Replayer(model, tree, loss_fn, exact, recompute_stem, cp_comm_type, capacity, scored, temps)
     meter = PeakMemory(run.device) if measure_memory else contextlib.nullcontext()
     with meter, bound_statistics(model, routing_statistics):
         run.run(ops, owners)
@@ -176,12 +181,13 @@ def replay_step(
 def replay_logprobs(
     model, tree: BranchTree, *, max_chunk_tokens: Optional[int] = None, score_mask: Optional[Tensor] = None,
     cp_comm_type: str = "allgather", group_ids: Optional[Sequence[int]] = None,
+    temperature: Optional[Temperature] = None,
 ) -> Tensor:
     """Forward-only ``[R, max_len - 1]`` log-probs with the same chunking (old/ref policy).
 
     Runs under ``torch.no_grad()``; memory is bounded like :func:`replay_step`'s.
-    ``score_mask`` and ``group_ids`` as for :func:`replay_step` (the same plan as a step
-    with those ``group_ids``; the log-probs do not depend on it).
+    ``score_mask``, ``group_ids`` and ``temperature`` as for :func:`replay_step` (the same
+    plan as a step with those ``group_ids``; the log-probs do not depend on it).
     """
     model = single_chunk(model, "replay_logprobs")
     out = torch.zeros(tree.num_rollouts, max(tree.max_len - 1, 0), dtype=torch.float32, device=model_device(model))
@@ -192,7 +198,7 @@ def replay_logprobs(
 
     with torch.no_grad():
         replay_step(model, tree, collect, max_chunk_tokens=max_chunk_tokens, score_mask=score_mask,
-                    cp_comm_type=cp_comm_type, group_ids=group_ids)
+                    cp_comm_type=cp_comm_type, group_ids=group_ids, temperature=temperature)
     return out
 
 

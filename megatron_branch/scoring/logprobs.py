@@ -13,9 +13,10 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from megatron_branch.model import single_chunk
+from megatron_branch.model import HOST, single_chunk
 from megatron_branch.scoring.checks import check_model
 from megatron_branch.scoring.output_rows import scored_tokens
+from megatron_branch.scoring.temperature import Temperature, Temperatures
 from megatron_branch.scoring.unit import forward_unit
 from megatron_branch.scoring.vocab import child_logprobs
 from megatron_branch.tree import BranchTree
@@ -23,7 +24,7 @@ from megatron_branch.tree import BranchTree
 
 def rollout_logprobs(
     model, tree: BranchTree, *, entropy: bool = False, cp_comm_type: str = "allgather",
-    score_mask: Optional[Tensor] = None,
+    score_mask: Optional[Tensor] = None, temperature: Optional[Temperature] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Differentiable per-rollout log-probs from one packed forward over ``tree``.
 
@@ -45,25 +46,32 @@ def rollout_logprobs(
             response mask). The vocabulary projection then runs only on the parents of
             those tokens (:mod:`megatron_branch.scoring.output_rows`); other entries are 0. ``None``
             scores every token.
+        temperature: the sampling temperature, one number or one per rollout: log-probs
+            and entropies of ``softmax(logits / T)``, as the rollout engine sampled
+            (:mod:`megatron_branch.scoring.temperature`). Default 1.
 
     Returns:
         ``lp [R, max_len - 1]`` float32, 0 past each rollout's end; with ``entropy=True``
         ``(lp, ent)`` of the same shape.
 
     Raises:
-        ValueError: the model lacks tree attention, or a token id is outside its vocabulary.
+        ValueError: the model lacks tree attention, a token id is outside its vocabulary,
+            or a temperature is not a finite number > 0 or has the wrong length.
     """
     model = single_chunk(model, "rollout_logprobs")
     check_model(model, tree)
+    temps = Temperatures.of(temperature, tree.num_rollouts)
     scored = None if score_mask is None else scored_tokens(tree, score_mask)
     idx, lp_child, ent_child = forward_unit(
-        model, tree, 0, tree.unique_positions, cp_comm_type=cp_comm_type, entropy=entropy, scored=scored
+        model, tree, 0, tree.unique_positions, cp_comm_type=cp_comm_type, entropy=entropy, scored=scored,
+        temperatures=None if temps.is_one else temps.values,
     )
     idx = idx.to(lp_child.device)
-    lp = lp_child.new_zeros(tree.unique_positions).index_put((idx,), lp_child)
-    lp = per_rollout(lp, tree)
+    lp = per_rollout(lp_child.new_zeros(tree.unique_positions, temps.count).index_put((idx,), lp_child), tree,
+                     column=temps.column)
     if entropy:
-        return lp, per_rollout(ent_child.new_zeros(tree.unique_positions).index_put((idx,), ent_child), tree)
+        ent = ent_child.new_zeros(tree.unique_positions, temps.count).index_put((idx,), ent_child)
+        return lp, per_rollout(ent, tree, column=temps.column)
     return lp
 
 
@@ -85,18 +93,24 @@ def unique_token_logprobs(
     child = (parents >= 0).nonzero(as_tuple=True)[0]
     lp_child, ent_child = child_logprobs(logits, parents[child], tree.tokens.to(logits.device)[child], entropy)
     lp = torch.zeros(tree.unique_positions, dtype=torch.float32, device=logits.device)
-    ent = None if ent_child is None else torch.zeros_like(lp).index_put((child,), ent_child)
-    return lp.index_put((child,), lp_child), ent
+    ent = None if ent_child is None else torch.zeros_like(lp).index_put((child,), ent_child[:, 0])
+    return lp.index_put((child,), lp_child[:, 0]), ent
 
 
-def per_rollout(values: Tensor, tree: BranchTree, rollouts: Optional[Tensor] = None) -> Tensor:
+def per_rollout(values: Tensor, tree: BranchTree, rollouts: Optional[Tensor] = None,
+                column: Optional[Tensor] = None) -> Tensor:
     """Gather packed per-token values into ``[R, max_len - 1]`` (0 past each end).
 
     ``out[r, t] = values[rows[r, t + 1]]``: the value of predicting token ``t + 1``;
-    ``rollouts`` selects a subset of rows.
+    ``rollouts`` selects a subset of rows. ``values`` ``[U, k]`` (one column per
+    temperature) is read at each rollout's ``column[r]`` (``[R]``, for all rollouts).
     """
-    rows = tree.rows[:, 1:] if rollouts is None else tree.rows[rollouts, 1:]
-    rows = rows.to(values.device)
+    ids = torch.arange(tree.num_rollouts, device=HOST) if rollouts is None else rollouts.to(HOST)
+    rows = tree.rows[ids, 1:].to(values.device)
     valid = rows >= 0
-    out = values[rows.clamp(min=0)]
+    if values.dim() == 1:
+        out = values[rows.clamp(min=0)]
+    else:
+        col = (column[ids] if column is not None else torch.zeros(len(ids), dtype=torch.long, device=HOST))
+        out = values[rows.clamp(min=0), col.to(values.device)[:, None]]
     return torch.where(valid, out, torch.zeros((), dtype=out.dtype, device=out.device))

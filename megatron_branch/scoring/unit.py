@@ -145,19 +145,22 @@ def score_unit(
     entropy: bool = False,
     unit_rows: Optional[UnitRows] = None,
     scored: Optional[Tensor] = None,
+    temperatures: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """Log-probs of the scored tokens whose parent lies in ``[start, end)``; all-reduced
-    over CP (identity backward), so every rank returns the same differentiable values.
+    """Log-probs ``[m, k]`` (one column per temperature) of the scored tokens whose parent
+    lies in ``[start, end)``; all-reduced over CP (identity backward), so every rank
+    returns the same differentiable values.
 
     Args:
         logits: this rank's logits: ``[n_local, V / tp]`` for every position, or
             ``[u, V / tp]`` for ``unit_rows.rows`` only (:func:`megatron_branch.scoring.output_rows.output_rows`).
         unit_rows: given when ``logits`` holds only the selected rows.
         scored: ``[U]`` bool, the tokens to score (``None``: all).
+        temperatures: ``[k]`` distinct sampling temperatures (``None``: 1.0).
     """
     sel = unit_rows or UnitRows(tree, start, end, params, children, scored)
     picked = sel.inverse if unit_rows is not None else sel.rows[sel.inverse]
-    lp, ent = child_logprobs(logits, picked.to(logits.device), sel.targets.to(logits.device), entropy)
+    lp, ent = child_logprobs(logits, picked.to(logits.device), sel.targets.to(logits.device), entropy, temperatures)
     mine = sel.mine
     if params.cp is None:
         return mine, lp, ent
@@ -166,8 +169,8 @@ def score_unit(
     if scored is not None:
         idx = idx[scored[idx]]
     where = torch.searchsorted(idx, mine).to(logits.device)
-    full = lp.new_zeros(idx.numel()).index_put((where,), lp)
-    full_ent = None if ent is None else ent.new_zeros(idx.numel()).index_put((where,), ent)
+    full = lp.new_zeros(idx.numel(), lp.shape[1]).index_put((where,), lp)
+    full_ent = None if ent is None else ent.new_zeros(idx.numel(), ent.shape[1]).index_put((where,), ent)
     return idx, sum_across(full, group), (None if ent is None else sum_across(full_ent, group))
 
 
@@ -182,6 +185,7 @@ def forward_unit(
     cp_linear_weight: Optional[float] = None,
     entropy: bool = False,
     scored: Optional[Tensor] = None,
+    temperatures: Optional[Tensor] = None,
     **cache,
 ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """Forward ``[start, end)`` and score the tokens whose parent lies in it.
@@ -198,11 +202,13 @@ def forward_unit(
         cp_linear_weight: balancing weight (default from the model config).
         entropy: also return entropies.
         scored: ``[U]`` bool, the tokens a loss reads (``None``: every token with a parent).
+        temperatures: ``[k]`` distinct sampling temperatures (``None``: 1.0).
         **cache: ``cache``, ``stem_id``, ``inject`` for streaming replay.
 
     Returns:
-        ``(idx [m], lp [m], ent [m] or None)``: packed indices of the scored tokens and
-        their log-probs, the same on every CP and TP rank, differentiable.
+        ``(idx [m], lp [m, k], ent [m, k] or None)``: packed indices of the scored tokens
+        and their log-probs at each temperature, the same on every CP and TP rank,
+        differentiable.
     """
     children = children or ChildIndex(tree)
     params, ids = prepare_unit(model, tree, start, end, cp_comm_type=cp_comm_type,
@@ -211,4 +217,5 @@ def forward_unit(
     with select_output_rows(model, sel.rows):
         logits = model(ids.unsqueeze(0), params.positions.unsqueeze(0), attention_mask=None,
                        packed_seq_params=params)[0]  # [u, V/tp]
-    return score_unit(logits, tree, start, end, params, children, entropy, unit_rows=sel, scored=scored)
+    return score_unit(logits, tree, start, end, params, children, entropy, unit_rows=sel, scored=scored,
+                      temperatures=temperatures)

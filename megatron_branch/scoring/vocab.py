@@ -34,20 +34,28 @@ def vocab_parallel_entropy(logits: Tensor) -> Tensor:
 
 
 def child_logprobs(
-    logits: Tensor, rows: Tensor, targets: Tensor, entropy: bool = False
+    logits: Tensor, rows: Tensor, targets: Tensor, entropy: bool = False, temperatures: Optional[Tensor] = None
 ) -> Tuple[Tensor, Optional[Tensor]]:
-    """``log_softmax(logits[rows])[targets]`` (vocab-parallel), and optionally the entropy.
+    """``log_softmax(logits[rows] / T)[targets]`` (vocab-parallel) for each temperature, and
+    optionally the entropy of ``softmax(logits[rows] / T)``.
 
     Args:
         logits: ``[n, V / tp]``.
         rows: ``[m]`` row of each child's parent in ``logits`` (a branch point repeats).
         targets: ``[m]`` token id of each child.
+        temperatures: ``[k]`` distinct temperatures (``None``: one column at 1.0, no division).
 
     Returns:
-        ``(lp [m], ent [m] or None)``, float32.
+        ``(lp [m, k], ent [m, k] or None)``, float32: column ``j`` at ``temperatures[j]``.
     """
     picked = logits.index_select(0, rows)  # [m, V/tp]
-    ent = vocab_parallel_entropy(picked) if entropy else None  # before the in-place CE
-    # vocab_parallel_cross_entropy: [s, b, V/tp], [s, b] -> [s, b]
-    nll = vocab_parallel_cross_entropy(picked.float().unsqueeze(1), targets.unsqueeze(1)).squeeze(1)
-    return -nll, ent
+    values = [1.0] if temperatures is None else [float(t) for t in temperatures]
+    lps, ents = [], []
+    for t in values:
+        # Megatron's cross-entropy works in place on a float32 input: one copy per column
+        scaled = picked.float() / t if t != 1.0 else (picked.float().clone() if len(values) > 1 else picked.float())
+        if entropy:
+            ents.append(vocab_parallel_entropy(scaled))  # before the in-place CE
+        # vocab_parallel_cross_entropy: [s, b, V/tp], [s, b] -> [s, b]
+        lps.append(-vocab_parallel_cross_entropy(scaled.unsqueeze(1), targets.unsqueeze(1)).squeeze(1))
+    return torch.stack(lps, dim=1), (torch.stack(ents, dim=1) if entropy else None)

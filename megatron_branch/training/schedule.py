@@ -29,6 +29,7 @@ from megatron_branch.model import HOST, as_chunks, unwrap
 from megatron_branch.scoring.checks import check_model
 from megatron_branch.scoring.logprobs import per_rollout
 from megatron_branch.scoring.output_rows import scored_tokens, select_output_rows
+from megatron_branch.scoring.temperature import Temperature, micro_batch_temperatures
 from megatron_branch.scoring.unit import ChildIndex, UnitRows, prepare_unit, score_unit, unit_multiple
 from megatron_branch.training.batching import TreeMicroBatch
 from megatron_branch.tree import BranchTree
@@ -76,6 +77,7 @@ def forward_backward(
     *,
     forward_step_func: Optional[Callable] = None,
     cp_comm_type: str = "allgather",
+    temperature: Optional[Temperature] = None,
 ):
     """Run Megatron's schedule (``get_forward_backward_func``) over ``data``, one tree per
     micro-batch. Returns the schedule's per-micro-batch dicts (last pipeline stage).
@@ -91,6 +93,8 @@ def forward_backward(
         forward_step_func: replaces :func:`make_forward_step` (e.g. the naive truth,
             :func:`megatron_branch.reference.naive.make_naive_forward_step`).
         cp_comm_type: context-parallel K/V exchange.
+        temperature: the sampling temperature, one number or one per rollout of the global
+            batch (:mod:`megatron_branch.scoring.temperature`).
 
     Returns:
         One dict per micro-batch: ``{"lm loss": [loss_sum, num_tokens]}`` (a bare loss
@@ -113,7 +117,7 @@ def forward_backward(
     sizes = {padded_length(x.tree, chunks[0]) for x in items}
     if len(sizes) > 1 and config.pipeline_model_parallel_size > 1 and not config.variable_seq_lengths:
         raise ValueError("data: micro-batch trees differ in size; set config.variable_seq_lengths=True")
-    step = forward_step_func or make_forward_step(loss_fn, forward_only, cp_comm_type)
+    step = forward_step_func or make_forward_step(loss_fn, forward_only, cp_comm_type, temperature)
     with cuda_factories_on_cpu():
         return get_forward_backward_func()(
             forward_step_func=step, data_iterator=iter(items),
@@ -122,7 +126,8 @@ def forward_backward(
         )
 
 
-def make_forward_step(loss_fn: LossFn, forward_only: bool = False, cp_comm_type: str = "allgather"):
+def make_forward_step(loss_fn: LossFn, forward_only: bool = False, cp_comm_type: str = "allgather",
+                      temperature: Optional[Temperature] = None):
     """A ``forward_step_func(data_iterator, model)`` whose iterator yields trees or
     :class:`TreeMicroBatch`.
 
@@ -131,11 +136,13 @@ def make_forward_step(loss_fn: LossFn, forward_only: bool = False, cp_comm_type:
             micro-batch (``rollout_ids`` index the global batch); see the module docstring.
         forward_only: accept bare scalar losses (no gradient is taken).
         cp_comm_type: context-parallel K/V exchange.
+        temperature: the sampling temperature, one number or one per rollout of the global batch.
     """
     def forward_step(data_iterator, model):
         item = as_micro_batch(next(data_iterator))
         tree = item.tree
         check_model(model, tree)
+        temps = micro_batch_temperatures(temperature, item.rollouts, item.batch_size)
         n = tree.unique_positions
         params, ids = prepare_unit(model, tree, 0, n, cp_comm_type=cp_comm_type)
         children = ChildIndex(tree)
@@ -148,11 +155,11 @@ def make_forward_step(loss_fn: LossFn, forward_only: bool = False, cp_comm_type:
         def loss_func(output_tensor: Tensor):
             # [1, u, V/tp] on the last stage: the scored tokens' parents
             idx, lp_child, _ = score_unit(output_tensor[0], tree, 0, n, params, children, unit_rows=rows,
-                                          scored=scored)
-            lp = lp_child.new_zeros(n).index_put((idx.to(lp_child.device),), lp_child)
+                                          scored=scored, temperatures=None if temps.is_one else temps.values)
+            lp = lp_child.new_zeros(n, temps.count).index_put((idx.to(lp_child.device),), lp_child)
             ids_r = torch.arange(tree.num_rollouts, device=HOST)  # indexes the host rollout ids
             with batch_part(tree.num_rollouts, item.global_rollouts):  # a micro-batch of the global batch
-                out = loss_fn(item.pad(per_rollout(lp, tree)), item.rollouts[ids_r])
+                out = loss_fn(item.pad(per_rollout(lp, tree, column=temps.column)), item.rollouts[ids_r])
             loss, count = (out[0], out[1]) if isinstance(out, (tuple, list)) else (out, None)
             if count is None:
                 if not forward_only:

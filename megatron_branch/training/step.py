@@ -26,6 +26,7 @@ from megatron_branch.layout import ParallelLayout
 from megatron_branch.losses import batch_part
 from megatron_branch.model import as_chunks, is_megatron_ddp, model_device, unwrap
 from megatron_branch.replay.step import replay_step, split_loss
+from megatron_branch.scoring.temperature import micro_batch_temperatures
 from megatron_branch.training.ddp import zero_grads
 from megatron_branch.training.optimizer import check_optimizer, optimizer_step
 from megatron_branch.training.schedule import LossFn, MicroBatch, as_micro_batch, forward_backward, token_count
@@ -75,6 +76,7 @@ def forward_backward_step(
     recompute_stem: bool = False,
     cp_comm_type: str = "allgather",
     forward_step_func=None,
+    temperature=None,
 ) -> Tuple[float, int]:
     """Steps 1-3 of an iteration: zero the grad buffers, forward/backward every micro-batch,
     ``finalize_model_grads``. Afterwards every rank's ``main_grad`` holds the batch gradient
@@ -90,6 +92,8 @@ def forward_backward_step(
         prefix_grad, recompute_stem, cp_comm_type: as for :func:`megatron_branch.replay_step`.
         forward_step_func: a different Megatron forward step for the schedule (the naive
             truth, :func:`megatron_branch.reference.naive.make_naive_forward_step`).
+        temperature: the sampling temperature, one number or one per rollout of the global
+            batch (log-probs of ``softmax(logits / T)``).
 
     Returns:
         ``(loss_sum, global_num_tokens)``: this rank's summed loss (last pipeline stage)
@@ -125,7 +129,7 @@ def forward_backward_step(
         config.finalize_model_grads_func = finalize_and_keep
         try:
             out = forward_backward(chunks, items, loss_fn, forward_step_func=forward_step_func,
-                                   cp_comm_type=cp_comm_type)
+                                   cp_comm_type=cp_comm_type, temperature=temperature)
         finally:
             config.finalize_model_grads_func = finalize
         loss_sum = float(sum(float(d["lm loss"][0]) for d in out)) if out else 0.0
@@ -134,7 +138,8 @@ def forward_backward_step(
         raise ValueError("max_chunk_tokens: streaming replay runs without pipeline parallelism; "
                          "with pipeline stages use one pass per micro-batch")
     return _streaming(chunks[0], items, loss_fn, config, max_chunk_tokens=max_chunk_tokens,
-                      prefix_grad=prefix_grad, recompute_stem=recompute_stem, cp_comm_type=cp_comm_type)
+                      prefix_grad=prefix_grad, recompute_stem=recompute_stem, cp_comm_type=cp_comm_type,
+                      temperature=temperature)
 
 
 def train_step(model, optimizer, data: Sequence[MicroBatch], loss_fn: LossFn, **replay) -> StepResult:
@@ -156,7 +161,7 @@ def train_step(model, optimizer, data: Sequence[MicroBatch], loss_fn: LossFn, **
     return StepResult(loss_sum, tokens, grad_norm, bool(ok), len(data))
 
 
-def _streaming(model, items: List, loss_fn: LossFn, config, **replay) -> tuple:
+def _streaming(model, items: List, loss_fn: LossFn, config, temperature=None, **replay) -> tuple:
     """Streaming replay per micro-batch; DDP reduces in the last micro-batch's final backward."""
     cp_rank = ParallelLayout.current().cp_rank
     device = model_device(model)
@@ -176,7 +181,9 @@ def _streaming(model, items: List, loss_fn: LossFn, config, **replay) -> tuple:
         ctx = contextlib.nullcontext() if last else model.no_sync()
         mask = None if item.score_mask is None else item.score_mask[:, : max(item.tree.max_len - 1, 0)]
         with ctx:
-            stats = replay_step(model, item.tree, chunk_loss, score_mask=mask, **replay)
+            temps = micro_batch_temperatures(temperature, item.rollouts, item.batch_size)
+            stats = replay_step(model, item.tree, chunk_loss, score_mask=mask,
+                                temperature=temps.values[temps.column], **replay)
         total += token_count(stats.num_tokens, cp_rank, device)
         loss_sum += stats.loss
     finalize = config.finalize_model_grads_func or finalize_model_grads
