@@ -180,3 +180,16 @@ def test_moe_shape_is_exact_and_reports_the_ideal_ratio():
         assert r["max_rel_grad_diff"] < 1e-5, r
         assert r["speedup"]["median"] > 0 and "fraction_of_ideal" in r
     assert "MoE 4x top-2" in format_table(report)
+
+
+def test_the_thd_drop_in_section_reports_a_paired_ratio_and_agrees():
+    from megatron_branch.commands.bench.run import _models
+    from megatron_branch.commands.bench.thd import run_thd
+
+    cfg = tiny_config()
+    rows = run_thd(_models(cfg)["cascade"], cfg.vocab_size, [dict(seqs=3, prompt=12, response=8, shared=False),
+                                                             dict(seqs=3, prompt=12, response=8, shared=True)],
+                   repeats=2, echo=lambda *_: None)
+    for row in rows:
+        _check_spread(row["ratio_ours_over_stock"])
+        assert row["max_abs_logprob_diff"] < 1e-5 and row["tokens"] == 60

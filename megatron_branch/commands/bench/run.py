@@ -40,6 +40,7 @@ from megatron_branch.commands.bench.methods import prepare_methods
 from megatron_branch.commands.bench.peer import format_peer, run_peer
 from megatron_branch.commands.bench.profile import format_profile, profile_gap
 from megatron_branch.commands.bench.stats import spread
+from megatron_branch.commands.bench.thd import run_thd
 from megatron_branch.commands.progress import Progress
 from megatron_branch.commands.synthetic import RolloutBatch, branching_rollouts
 from megatron_branch.cpu import enable_cpu
@@ -91,6 +92,8 @@ class BenchConfig:
     profile_shapes: List[str] = field(default_factory=list)  # shapes whose gap to the ideal is profiled
     peer: bool = False  # the prefix_grouper comparison (Hugging Face Llama)
     peer_shapes: List[Shape] = field(default_factory=list)
+    # the packed-batch drop-in (mb.packed_logprobs) vs the stock THD forward on the same batch
+    thd_shapes: List[Dict] = field(default_factory=list)
     # torch intra-op threads (None: torch's default). The presets use 1: on a small machine shared with
     # other jobs, multi-threaded kernels wait on descheduled threads and timings scatter by 10x.
     threads: Optional[int] = None
@@ -112,8 +115,9 @@ class BenchConfig:
         profile = ["G=16 p/r=16", "agentic forest 4x128, 3 turns x16, 4-way", "16x(4096+96)"]
         # hidden 128 (head dim 32): the naive micro-batch sweep on 16 x (4096 + 96) and 256-rollout forests
         # must fit a ~25-minute run on 2 shared cores
+        thd = [dict(seqs=16, prompt=512, response=512, shared=False), dict(seqs=16, prompt=1024, response=64, shared=True)]
         return cls(hidden_size=128, num_attention_heads=4, num_query_groups=2, vocab_size=512, shapes=shapes,
-                   threads=1, profile_shapes=profile, peer=True, peer_shapes=peer_shapes)
+                   threads=1, profile_shapes=profile, peer=True, peer_shapes=peer_shapes, thd_shapes=thd)
 
     @classmethod
     def quick(cls) -> "BenchConfig":
@@ -128,7 +132,8 @@ class BenchConfig:
         ]
         return cls(hidden_size=128, num_attention_heads=4, num_query_groups=2, vocab_size=256,
                    chunk_tokens=256, repeats=3, shapes=shapes, threads=1, profile_shapes=["G=16 p/r=16"],
-                   peer=True, peer_shapes=[Shape("G=8 256+32", [256], [8], [32])])
+                   peer=True, peer_shapes=[Shape("G=8 256+32", [256], [8], [32])],
+                   thd_shapes=[dict(seqs=8, prompt=128, response=128, shared=False)])
 
 
 def _loss(batch: RolloutBatch):
@@ -244,6 +249,8 @@ def _run_bench(cfg: BenchConfig, methods: Optional[List[str]], echo) -> dict:
             report["profile"].append(profile_gap(name, summary, *prepared_by_shape[name][:4]))
     if cfg.peer:
         report["peer"] = run_peer(cfg, echo=echo)
+    if cfg.thd_shapes:
+        report["thd"] = run_thd(_models(cfg)["cascade"], cfg.vocab_size, cfg.thd_shapes, cfg.repeats, echo=echo)
     report["seconds_total"] = time.perf_counter() - started
     return report
 
@@ -310,6 +317,11 @@ def format_table(report: dict) -> str:
         lines.append(format_profile(report["profile"]))
     if report.get("peer"):
         lines.append(format_peer(report["peer"]))
+    for row in report.get("thd", []):
+        r = row["ratio_ours_over_stock"]
+        lines.append(f"THD drop-in, {row['seqs']} x ({row['prompt']} + {row['response']}) "
+                     f"{'shared prompt' if row['shared'] else 'nothing shared'}: mb.packed_logprobs takes "
+                     f"{r['median']:.3f}x ({r['min']:.3f}-{r['max']:.3f}) the stock THD forward+backward")
     return "\n".join(lines)
 
 
