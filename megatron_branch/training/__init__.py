@@ -24,10 +24,13 @@ from megatron_branch.training.checkpoint import (
 )
 from megatron_branch.training.ddp import wrap_ddp, zero_grads
 from megatron_branch.training.optimizer import get_optimizer, optimizer_step
+from megatron_branch.training.runtime_check import ExactnessCheck, ExactnessError
 from megatron_branch.training.step import StepResult, configure, forward_backward_step, train_step
 
 __all__ = [
     "DataParallelPlan",
+    "ExactnessCheck",
+    "ExactnessError",
     "GradSync",
     "LoadedCheckpoint",
     "StepResult",

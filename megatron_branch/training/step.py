@@ -29,6 +29,7 @@ from megatron_branch.replay.step import replay_step, split_loss
 from megatron_branch.scoring.temperature import micro_batch_temperatures
 from megatron_branch.training.ddp import zero_grads
 from megatron_branch.training.optimizer import check_optimizer, optimizer_step
+from megatron_branch.training.runtime_check import ExactnessCheck, sample_rollouts
 from megatron_branch.training.schedule import LossFn, MicroBatch, as_micro_batch, forward_backward, token_count
 
 
@@ -42,6 +43,8 @@ class StepResult:
         grad_norm: the optimizer's gradient norm (before clipping).
         update_successful: False when a loss scaler skipped the step.
         num_microbatches: micro-batches this rank ran.
+        max_logprob_diff: the run-time exactness check's result when this step was checked
+            (:class:`~megatron_branch.training.runtime_check.ExactnessCheck`), else ``None``.
     """
 
     loss_sum: float
@@ -49,6 +52,7 @@ class StepResult:
     grad_norm: Optional[float]
     update_successful: bool
     num_microbatches: int
+    max_logprob_diff: Optional[float] = None
 
 
 def configure(model, optimizer=None) -> None:
@@ -142,23 +146,44 @@ def forward_backward_step(
                       temperature=temperature)
 
 
-def train_step(model, optimizer, data: Sequence[MicroBatch], loss_fn: LossFn, **replay) -> StepResult:
+def train_step(model, optimizer, data: Sequence[MicroBatch], loss_fn: LossFn, *,
+               verify: Optional[ExactnessCheck] = None, **replay) -> StepResult:
     """One optimizer step over this rank's micro-batches: :func:`forward_backward_step`
     then the Megatron optimizer's ``step`` (``optimizer.zero_grad`` first).
 
     Args:
         model, data, loss_fn, **replay: as for :func:`forward_backward_step`.
         optimizer: from :func:`megatron_branch.training.get_optimizer`.
+        verify: a run-time exactness check (``ExactnessCheck(every=N, tolerance=...)``):
+            on its due steps, before the update, a few rollouts of the first micro-batch
+            are recomputed the plain way and the largest log-prob difference goes to
+            :attr:`StepResult.max_logprob_diff` (raises above its tolerance).
 
     Raises:
-        ValueError: as :func:`forward_backward_step`, or a non-Megatron optimizer.
+        ValueError: as :func:`forward_backward_step`, a non-Megatron optimizer, or
+            ``verify`` with pipeline parallelism.
+        ExactnessError: the run-time check found a difference above its tolerance.
     """
     check_optimizer(optimizer)
     configure(model, optimizer)
     optimizer.zero_grad()
+    diff = None
+    if verify is not None and verify.due():
+        diff = _verify(model, data, verify, replay.get("temperature"))
     loss_sum, tokens = forward_backward_step(model, data, loss_fn, **replay)
     ok, grad_norm, _ = optimizer_step(optimizer)
-    return StepResult(loss_sum, tokens, grad_norm, bool(ok), len(data))
+    return StepResult(loss_sum, tokens, grad_norm, bool(ok), len(data), diff)
+
+
+def _verify(model, data, check: ExactnessCheck, temperature) -> float:
+    chunks = as_chunks(model)
+    if len(chunks) > 1 or ParallelLayout.current().pp > 1:
+        raise ValueError("verify_every: the run-time exactness check runs without pipeline parallelism")
+    item = as_micro_batch(data[0])
+    picked = sample_rollouts(item.tree, check.rollouts)
+    temps = micro_batch_temperatures(temperature, item.rollouts, item.batch_size)
+    return check.run(chunks[0], [item.tree.sequence(r) for r in picked],
+                     temps.values[temps.column[torch.tensor(picked, dtype=torch.long)]])
 
 
 def _streaming(model, items: List, loss_fn: LossFn, config, temperature=None, **replay) -> tuple:
