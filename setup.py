@@ -31,10 +31,17 @@ setup(
         # the bench's comparison with the real prefix_grouper package (what verl's use_prefix_grouper runs)
         "peer": ["prefix_grouper", "transformers", "safetensors"],
         "launch": ["nemo-run==0.11.1", "leptonai<0.47"],
+        # the verl 0.9.1 engine adapter (megatron_branch.integrations.verl); verl pins transformers < 5.11
+        # and tensordict <= 0.10, so it gets its own venv in .ci/run. Its plugin entry point below makes
+        # verl import the adapter, which registers the engine (verl selects it with VERL_ENGINE_VENDOR=branch).
+        "verl": ["verl==0.9.1", "pytest>=7"],
         # What Megatron-LM's megatron/training (pretrain) and Megatron-RL (train_rl.py) import
         # at core_v0.16.1; Megatron-LM itself is a git checkout (patches/megatron-lm-core_v0.16.1).
         "megatron-lm": ["triton", "tensorboard", "wandb", "pydantic", "pyyaml", "regex", "transformers", "fastapi",
                         "uvicorn", "httpx"],
     },
-    entry_points={"console_scripts": ["megatron-branch=megatron_branch.cli:main"]},
+    entry_points={
+        "console_scripts": ["megatron-branch=megatron_branch.cli:main"],
+        "verl.plugins": ["megatron_branch=megatron_branch.integrations.verl"],
+    },
 )

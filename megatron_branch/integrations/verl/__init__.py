@@ -1,0 +1,22 @@
+"""verl 0.9.1 integration: an engine verl picks up through its own plugin and registry.
+
+Installing ``megatron_branch`` registers a ``verl.plugins`` entry point; verl imports this
+package when it starts (in the driver and in every Ray worker), which registers
+:class:`~megatron_branch.integrations.verl.engine.BranchMegatronEngine` for
+``model_type="language_model"``, ``backend="megatron"``, device ``cuda`` and vendor
+``branch``. verl uses it when ``VERL_ENGINE_VENDOR=branch`` is set (in the Ray runtime
+environment); anything else, a critic for example, keeps verl's stock engine. No patch
+of verl. See ``docs/integrations.md``.
+"""
+
+from megatron_branch.integrations.verl.engine import (
+    VENDOR,
+    BranchMegatronEngine,
+    branch_layer_spec,
+    check_config,
+    check_micro_batch,
+)
+from megatron_branch.integrations.verl.micro_batches import group_micro_batches, pack_groups, split_to
+
+__all__ = ["VENDOR", "BranchMegatronEngine", "branch_layer_spec", "check_config", "check_micro_batch",
+           "group_micro_batches", "pack_groups", "split_to"]

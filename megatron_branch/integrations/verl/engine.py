@@ -1,0 +1,207 @@
+"""``BranchMegatronEngine``: verl 0.9.1's Megatron LM-head engine with branch replay.
+
+verl's ``MegatronEngineWithLMHead`` runs every rollout of a micro-batch in full (THD
+packed). This subclass keeps everything verl does around a micro-batch — its data flow,
+its ``postprocess_micro_batch_func``, its ``ppo_loss`` and the reductions — and replaces
+the one step that computes the log-probs: :meth:`forward_step` builds the prefix tree of
+the micro-batch's sequences and computes every unique position once
+(:func:`megatron_branch.packed_logprobs`, the sampling ``temperature`` of each sample),
+returning verl's layout: jagged ``log_probs`` (and ``entropy``) ``[B, L_i]`` with
+``lp[t] = log p(x[t + 1] | x[<= t])``. The last position predicts past the sequence:
+verl's own forward fills it with the next packed sequence's score (and that prediction's
+entropy), its loss never reads it; here both are 0.
+
+Around it: micro-batches keep every ``uid`` group whole
+(:func:`megatron_branch.integrations.verl.micro_batches.group_micro_batches`, in place of
+verl's ``prepare_micro_batches`` for the duration of :meth:`forward_backward_batch`), the
+branch layer spec goes into the model build where verl already replaces
+``transformer_layer_spec`` (:meth:`_build_tf_config`), and an optional run-time exactness
+check (``MEGATRON_BRANCH_VERIFY_EVERY``) reports ``branch/max_logprob_diff``.
+
+What cannot be exact is refused with the verl option named (:func:`check_config`,
+:func:`check_micro_batch`): fused kernels, BSHD (no remove-padding), MTP, router replay,
+dynamic CP, pipeline and context parallelism (not supported by this adapter yet),
+multi-modal inputs, distillation, Σπ² outputs, value heads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from functools import partial
+from typing import Iterator, Optional
+
+import torch
+from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
+from verl.utils.device import get_device_id
+from verl.workers.engine.base import EngineRegistry
+from verl.workers.engine.megatron import transformer_impl
+from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+
+from megatron_branch.integrations.verl.micro_batches import group_micro_batches
+from megatron_branch.layout import ParallelLayout
+from megatron_branch.scoring.packed import packed_logprobs
+from megatron_branch.spec import apply_branch_attention, apply_branch_moe
+from megatron_branch.training.runtime_check import ExactnessCheck, sample_rollouts
+from megatron_branch.tree import BranchTree
+
+VENDOR = "branch"  # verl selects this engine with VERL_ENGINE_VENDOR=branch
+VERIFY_EVERY_ENV = "MEGATRON_BRANCH_VERIFY_EVERY"
+VERIFY_TOLERANCE_ENV = "MEGATRON_BRANCH_VERIFY_TOLERANCE"
+
+
+def _flag(obj, name: str, default=None):
+    return getattr(obj, name, default) if obj is not None else default
+
+
+def check_config(engine_config, model_config) -> None:
+    """Refuse verl settings branch replay cannot compute exactly, naming the option.
+
+    Raises:
+        ValueError: the first such setting.
+    """
+    refuse = [
+        (_flag(engine_config, "use_fused_kernels", False), "actor_rollout_ref.model.use_fused_kernels=True",
+         "fused log-prob kernels compute verl's own forward"),
+        (not _flag(engine_config, "use_remove_padding", True), "actor_rollout_ref.model.use_remove_padding=False",
+         "the padded BSHD path is not a packed batch of whole sequences"),
+        (_flag(engine_config, "dynamic_context_parallel", False), "megatron.dynamic_context_parallel=True",
+         "dynamic CP reshards micro-batches across ranks"),
+        ((_flag(engine_config, "context_parallel_size", 1) or 1) > 1, "megatron.context_parallel_size > 1",
+         "context parallelism for trees is not wired into this adapter yet"),
+        ((_flag(engine_config, "pipeline_model_parallel_size", 1) or 1) > 1, "megatron.pipeline_model_parallel_size > 1",
+         "pipeline stages would exchange tree activations this adapter does not send yet"),
+        (_flag(_flag(engine_config, "router_replay"), "mode", None) not in (None, "disabled", "none"),
+         "megatron.router_replay.mode", "router replay records and replays per-position routes of verl's layout"),
+        (_flag(_flag(model_config, "mtp"), "enable", False), "actor_rollout_ref.model.mtp.enable=True",
+         "multi-token prediction layers are built from Megatron's stock specs"),
+        (_flag(engine_config, "pad_to_length", False), "megatron.pad_to_length=True",
+         "bucketed padding changes verl's packed layout"),
+        (_flag(model_config, "model_type", "language_model") == "value_model", "critic (value model)",
+         "a value head has no log-probs to share"),
+        (hasattr(_flag(model_config, "hf_config"), "vision_config"), "a vision-language model",
+         "multi-modal inputs are not token sequences a prefix tree can share"),
+    ]
+    for bad, option, why in refuse:
+        if bad:
+            raise ValueError(f"{option}: not supported by megatron_branch's verl engine ({why}); use verl's stock "
+                             "engine (unset VERL_ENGINE_VENDOR)")
+
+
+def check_micro_batch(batch: TensorDict) -> None:
+    """Refuse per-batch options that cannot be exact, naming the key."""
+    for key in ("distillation_use_topk", "distillation_only", "calculate_sum_pi_squared", "record_r2_routes",
+                "enable_routing_replay"):
+        if tu.get_non_tensor_data(batch, key=key, default=False):
+            raise ValueError(f"{key}: not supported by megatron_branch's verl engine; use verl's stock engine")
+    if "multi_modal_inputs" in batch.keys():
+        raise ValueError("multi_modal_inputs: multi-modal batches are not supported by megatron_branch's verl engine")
+    if not batch["input_ids"].is_nested:
+        raise ValueError("input_ids: megatron_branch's verl engine takes verl's jagged (no-padding) micro-batches")
+
+
+def _temperatures(batch: TensorDict, num: int) -> torch.Tensor:
+    value = batch["temperature"]
+    if isinstance(value, torch.Tensor):
+        per = value.reshape(-1).float()
+        if per.numel() != num:
+            raise ValueError(f"temperature: {per.numel()} values for {num} samples")
+    else:
+        per = torch.full((num,), float(value))
+    # verl's processor turns non-positive temperatures into 1e-8; the package refuses them
+    return per
+
+
+def branch_layer_spec(spec):
+    """The branch pieces in verl's (Megatron-Bridge's) layer spec: tree attention, MoE statistics."""
+    return apply_branch_moe(apply_branch_attention(spec))
+
+
+@EngineRegistry.register(model_type="language_model", backend="megatron", device="cuda", vendor=VENDOR)
+class BranchMegatronEngine(MegatronEngineWithLMHead):
+    """verl's Megatron LM-head engine whose micro-batch forward is branch replay."""
+
+    verify: Optional[ExactnessCheck] = None
+
+    # ------------------------------------------------------------------ model build
+    def _build_tf_config(self):
+        check_config(self.engine_config, self.model_config)
+        super()._build_tf_config()
+        provider = getattr(self, "provider", None)
+        if provider is None:
+            raise ValueError("megatron.vanilla_mbridge: megatron_branch's verl engine puts its layer spec into "
+                             "Megatron-Bridge's model provider; use the default bridge")
+        base = provider.transformer_layer_spec
+        if callable(base) and not hasattr(base, "submodules"):  # a spec builder (config[, vp_stage]) -> spec
+            def build(*args, **kwargs):
+                return branch_layer_spec(base(*args, **kwargs))
+            provider.transformer_layer_spec = build
+        else:
+            provider.transformer_layer_spec = branch_layer_spec(base)
+
+    # ------------------------------------------------------------------ micro-batches
+    def forward_backward_batch(self, data: TensorDict, loss_function, forward_only=False):
+        check_config(self.engine_config, self.model_config)
+        metrics = {}
+        if self._verify() is not None and not forward_only and self.verify.due():
+            metrics["branch/max_logprob_diff"] = self._run_check(data)
+        use_dynamic = tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True)
+        patch = (_micro_batches_by_group() if use_dynamic else contextlib.nullcontext())
+        with patch:
+            output = super().forward_backward_batch(data, loss_function, forward_only)
+        if metrics and isinstance(output, dict):
+            output.setdefault("metrics", {}).update({k: [v] for k, v in metrics.items()})
+        return output
+
+    # ------------------------------------------------------------------ the forward
+    def forward_step(self, batch_iter: Iterator[TensorDict], model, logits_processor_func,
+                     postprocess_micro_batch_func):
+        batch: TensorDict = next(batch_iter)
+        batch = batch.to(get_device_id())
+        check_micro_batch(batch)
+        input_ids = batch["input_ids"]
+        offsets = input_ids.offsets()
+        entropy = bool(tu.get_non_tensor_data(batch, key="calculate_entropy", default=False))
+        temps = _temperatures(batch, int(offsets.numel() - 1))
+        out = packed_logprobs(model, input_ids.values(), offsets.to("cpu"), temperature=temps, entropy=entropy)
+        lp, ent = out if entropy else (out, None)
+        output = {"log_probs": torch.nested.nested_tensor_from_jagged(lp, offsets)}
+        if ent is not None:
+            output["entropy"] = torch.nested.nested_tensor_from_jagged(ent, offsets)
+        return output, partial(postprocess_micro_batch_func, data=batch, local_cp_size=None)
+
+    # ------------------------------------------------------------------ run-time check
+    def _verify(self) -> Optional[ExactnessCheck]:
+        if self.verify is None and os.environ.get(VERIFY_EVERY_ENV):
+            tol = os.environ.get(VERIFY_TOLERANCE_ENV)
+            self.verify = ExactnessCheck(every=int(os.environ[VERIFY_EVERY_ENV]),
+                                         tolerance=float(tol) if tol else 1e-3)
+        return self.verify
+
+    def _run_check(self, data: TensorDict) -> float:
+        sequences = list(data["input_ids"].unbind())
+        tree = BranchTree.from_sequences([s.cpu() for s in sequences])
+        picked = sample_rollouts(tree, self.verify.rollouts)
+        temps = _temperatures(data, len(sequences))[torch.tensor(picked)]
+        model = self.module[0]
+        return self.verify.run(model, [sequences[i] for i in picked], temps)
+
+
+@contextlib.contextmanager
+def _micro_batches_by_group():
+    """Scoped: verl's Megatron engine takes its micro-batches from :func:`group_micro_batches`
+    (same contract as its ``prepare_micro_batches``) for one ``forward_backward_batch`` call.
+    A runtime patch of one module attribute, undone on exit; verl 0.9.1."""
+    saved = transformer_impl.prepare_micro_batches
+    transformer_impl.prepare_micro_batches = group_micro_batches
+    try:
+        yield
+    finally:
+        transformer_impl.prepare_micro_batches = saved
+
+
+def layout_is_supported() -> bool:
+    """This process's Megatron layout is one the adapter runs (PP = CP = 1)."""
+    layout = ParallelLayout.current()
+    return layout.pp == 1 and layout.cp == 1
