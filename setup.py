@@ -36,9 +36,10 @@ setup(
         # verl import the adapter, which registers the engine (verl selects it with VERL_ENGINE_VENDOR=branch).
         "verl": ["verl==0.9.1", "pytest>=7"],
         # What Megatron-LM's megatron/training (pretrain) and Megatron-RL (train_rl.py) import
-        # at core_v0.16.1; Megatron-LM itself is a git checkout (patches/megatron-lm-core_v0.16.1).
+        # at core_v0.16.1, core_v0.19.0 and main (openai, omegaconf from 0.19); Megatron-LM itself is a git
+        # checkout (patches/megatron-lm-*).
         "megatron-lm": ["triton", "tensorboard", "wandb", "pydantic", "pyyaml", "regex", "transformers", "fastapi",
-                        "uvicorn", "httpx"],
+                        "uvicorn", "httpx", "openai[aiohttp]", "omegaconf"],
     },
     entry_points={
         "console_scripts": ["megatron-branch=megatron_branch.cli:main"],

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional
 
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core import package_info as _package_info
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
@@ -54,11 +55,13 @@ except ImportError:  # 0.16: a module-level dict
 
 
 def megatron_core_version() -> tuple:
-    """``(major, minor)`` of the installed megatron-core (its package metadata)."""
-    from importlib.metadata import version
+    """``(major, minor)`` of the megatron-core that is imported.
 
-    major, minor = (int(x) for x in version("megatron-core").split(".")[:2])
-    return major, minor
+    Read from the imported ``megatron.core.package_info``, not the installed package's
+    metadata: under a Megatron-LM checkout on ``PYTHONPATH`` the checkout's
+    ``megatron/core`` is the code that runs, whatever wheel is installed beside it.
+    """
+    return _package_info.MAJOR, _package_info.MINOR
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ class MoERouterBehaviour:
     """How the installed release's ``TopKRouter`` scales and logs its router losses.
 
     megatron_branch.spec.moe reproduces whichever the installed release does. An explicit
-    table per release, read from each release's ``moe/router.py`` (0.16.1 to 0.19.2), not a
+    table per release, read from each release's ``moe/router.py`` (0.16.1 to 0.19.2, and main at d98e8a64dd), not a
     search of the installed source: a release that rewrites those lines without changing
     behaviour must not flip the scaling, and one that changes behaviour must be added here.
 
@@ -93,6 +96,8 @@ MOE_ROUTER_BEHAVIOUR = {
     (0, 17): MoERouterBehaviour(False, False, False, _OLD_LOG),
     (0, 18): MoERouterBehaviour(False, False, False, _NEW_LOG),
     (0, 19): MoERouterBehaviour(True, True, True, _NEW_LOG),
+    # Megatron-LM main at d98e8a64dd (package_info 0.20.0, unreleased): router losses as 0.19
+    (0, 20): MoERouterBehaviour(True, True, True, _NEW_LOG),
 }
 
 

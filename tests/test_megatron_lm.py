@@ -1,13 +1,21 @@
-"""Megatron-LM (``core_v0.16.1``) with the branch spec and the RL patch, on CPU.
+"""Megatron-LM with the branch spec and the RL patch, on CPU.
 
-Every test needs ``MEGATRON_LM_DIR``: a Megatron-LM git checkout at the tag named in
-``patches/megatron-lm-core_v0.16.1/UPSTREAM`` with that folder's patches applied
-(``python tools/apply_patches.py --checkout DIR --upstream megatron-lm --apply``), and
-the ``megatron-lm`` extra installed; otherwise they are skipped with the reason.
+Every test needs ``MEGATRON_LM_DIR``: a Megatron-LM git checkout at a version that has a
+folder under ``patches/`` (``core_v0.16.1``, ``core_v0.19.0``, ``main`` at the commit its
+``UPSTREAM`` names), with that folder's patches applied (``python tools/apply_patches.py
+--checkout DIR --upstream megatron-lm --apply``), and the ``megatron-lm`` extra installed;
+otherwise they are skipped with the reason. From ``core_v0.19.0`` Megatron-LM declares
+Python >= 3.12: on Python 3.11 ``tools/python311`` (its ``typing.override`` shim) goes
+first on the path. The tests call Megatron-LM in the pytest process, so its ``megatron``
+package must be the one imported:
+
+    D=/path/to/Megatron-LM  # e.g. checked out at core_v0.19.0 and patched
+    MEGATRON_LM_DIR=$D PYTHONPATH=tools/python311:$D python -m pytest -q tests/test_megatron_lm.py
 
 * pretraining: ``examples/megatron_lm/pretrain_branch.py`` runs Megatron-LM's ``pretrain``
   for 2 iterations on 2 gloo processes with ``--spec megatron_branch.integrations.megatron_lm
-  branch_layer_spec``;
+  branch_layer_spec`` (``core_v0.19.0``: through ``gpt_config_from_args`` and the config
+  container);
 * RL: with ``--rl-branch-replay`` Megatron-RL's old/reference log-probs
   (``prepare_data_for_update``) and its policy-update forward (``train_rl.forward_step``:
   GRPO loss and gradients) equal those of the unpatched path (``--rl-branch-replay`` off,
@@ -15,6 +23,7 @@ the ``megatron-lm`` extra installed; otherwise they are skipped with the reason.
 """
 
 import importlib.util
+import inspect
 import math
 import os
 import re
@@ -28,11 +37,11 @@ from megatron_branch.commands.synthetic import branching_rollouts
 from megatron_branch.distributed import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PATCHES = os.path.join(ROOT, "patches", "megatron-lm-core_v0.16.1")
 PRETRAIN = os.path.join(ROOT, "examples", "megatron_lm", "pretrain_branch.py")
+PY311_SHIM = os.path.join(ROOT, "tools", "python311")
 # import names of setup.py's ``megatron-lm`` extra
 EXTRA_MODULES = ("triton", "tensorboard", "wandb", "pydantic", "yaml", "regex", "transformers", "fastapi",
-                 "uvicorn", "httpx")
+                 "uvicorn", "httpx", "openai", "aiohttp", "omegaconf")
 
 
 def _load_tool():
@@ -42,27 +51,53 @@ def _load_tool():
     return module
 
 
+def checkout_release(path):
+    """``(major, minor)`` of the checkout's ``megatron/core/package_info.py``."""
+    text = open(os.path.join(path, "megatron", "core", "package_info.py"), encoding="utf-8").read()
+    return tuple(int(re.search(rf"^{k} = (\d+)", text, re.M).group(1)) for k in ("MAJOR", "MINOR"))
+
+
 def skip_reason():
     """Why the Megatron-LM tests cannot run here, or None."""
     path = os.environ.get("MEGATRON_LM_DIR")
     tool = _load_tool()
-    tag = tool.read_upstream(PATCHES)["tag"]
     if not path:
-        return (f"MEGATRON_LM_DIR is not set (a Megatron-LM checkout of tag {tag} with "
-                "patches/megatron-lm-core_v0.16.1 applied)")
-    tags = tool.checkout_tags(path)
-    if tag not in tags:
-        return f"MEGATRON_LM_DIR={path} is not a git checkout of tag {tag} (found {tags or 'none'})"
-    if not tool.patches_applied(path, PATCHES):
-        return (f"MEGATRON_LM_DIR={path}: patches/megatron-lm-core_v0.16.1 is not applied (python "
+        return ("MEGATRON_LM_DIR is not set (a Megatron-LM checkout of a version under patches/, its patches "
+                "applied)")
+    folder = tool.folder_for(path, "megatron-lm")
+    if folder is None:
+        _, known = tool.select_folders(tool.PATCHES, "megatron-lm", [], "")
+        return (f"MEGATRON_LM_DIR={path} (tags {tool.checkout_tags(path) or 'none'}, commit "
+                f"{tool.checkout_commit(path)[:10]}) has no patch folder; patches exist for {', '.join(known)}")
+    if not tool.patches_applied(path, folder):
+        return (f"MEGATRON_LM_DIR={path}: patches/{os.path.basename(folder)} is not applied (python "
                 f"tools/apply_patches.py --checkout {path} --upstream megatron-lm --apply)")
     missing = [m for m in EXTRA_MODULES if importlib.util.find_spec(m) is None]
     if missing:
         return f"Megatron-LM's packages missing: {', '.join(missing)} (pip install -e '.[megatron-lm]')"
+    import megatron.core
+
+    imported = os.path.realpath(os.path.dirname(megatron.core.__file__))
+    if not imported.startswith(os.path.realpath(path) + os.sep):
+        # the tests call Megatron-LM in this process: its megatron/core must be the one imported
+        return (f"megatron.core is imported from {imported}, not from MEGATRON_LM_DIR: run pytest with "
+                f"PYTHONPATH={os.pathsep.join(python_path(path))}")
+    if sys.version_info < (3, 12) and not hasattr(__import__("typing"), "override"):
+        return f"Python 3.11 and Megatron-LM >= core_v0.19.0: put {PY311_SHIM} first on PYTHONPATH"
     return None
 
 
+def python_path(checkout=None):
+    """The ``PYTHONPATH`` entries of a Megatron-LM process: the checkout, after the Python
+    3.11 shim from ``core_v0.19.0`` on."""
+    path = [checkout or os.environ["MEGATRON_LM_DIR"]]
+    if sys.version_info < (3, 12) and checkout_release(path[0]) >= (0, 19):
+        path.insert(0, PY311_SHIM)
+    return path
+
+
 SKIP = skip_reason()
+RELEASE = checkout_release(os.environ["MEGATRON_LM_DIR"]) if SKIP is None else None
 pytestmark = [pytest.mark.megatron_lm, pytest.mark.skipif(SKIP is not None, reason=str(SKIP))]
 
 
@@ -88,12 +123,12 @@ TINY = [
 def run_pretrain(nproc, *flags):
     import subprocess
 
-    env = dict(os.environ, PYTHONPATH=os.environ["MEGATRON_LM_DIR"], OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(python_path()), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={free_port()}", PRETRAIN, *TINY, *flags]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc.stdout
+    return proc.stdout + proc.stderr  # Megatron-LM logs some lines (core_v0.19.0: the vocabulary) to stderr
 
 
 def logged(out, key="lm loss"):
@@ -106,8 +141,10 @@ def test_pretrain_two_processes_two_iterations():
     losses = logged(out)
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses), out[-3000:]
     assert "iteration        2/       2" in out
-    # nothing learnt yet: about the uniform cross-entropy over the padded vocabulary (256)
-    assert abs(losses[0] - math.log(256)) < 0.1
+    # nothing learnt yet: about the uniform cross-entropy over the padded vocabulary (core_v0.16.1:
+    # NullTokenizer's 128 + eod, padded to 256; core_v0.19.0: 128)
+    padded = int(re.search(r"padded vocab \(size: \d+\) with \d+ dummy tokens \(new size: (\d+)\)", out).group(1))
+    assert abs(losses[0] - math.log(padded)) < 0.1, padded
     # whole trees per DP rank and per-token normalisation: the same steps on 1 process
     single = run_pretrain(1)
     for key in ("lm loss", "grad norm"):
@@ -132,7 +169,7 @@ GROUP = 4
 class Tokenizer:
     """The fields of Megatron's tokenizer that Megatron-RL reads (as in its own unit tests)."""
 
-    pad, eod, bos, vocab_size = PAD, EOD, None, 128
+    pad, eod, bos, vocab_size, library = PAD, EOD, None, 128, None
 
     def detokenize(self, tokens):
         return " ".join(str(t) for t in tokens)
@@ -189,9 +226,11 @@ def grpo_rollouts():
         for r in [i for i, x in enumerate(batch.group) if x == g]:
             seq = batch.sequences[r].tolist() + [EOD]
             plen = batch.prompt_lengths[r]
-            group.append(TokenRollout(
-                trajectory=[seq], reward=float((r * 7) % 5) / 4, env_id="synthetic", problem_id=str(g),
-                generation_mask=[[i >= plen for i in range(len(seq))]], logprobs=[[-1.0] * len(seq)]))
+            fields = dict(trajectory=[seq], reward=float((r * 7) % 5) / 4, env_id="synthetic", problem_id=str(g),
+                          generation_mask=[[i >= plen for i in range(len(seq))]], logprobs=[[-1.0] * len(seq)])
+            if "policy_epoch" in TokenRollout.model_fields:  # core_v0.19.0: which policy generated what
+                fields.update(policy_epoch=[[(0, 0)]], kv_cache_epoch=[[(0, 0)]], num_evictions=[0])
+            group.append(TokenRollout(**fields))
         groups.append(group)
     return groups
 
@@ -199,8 +238,6 @@ def grpo_rollouts():
 @pytest.fixture
 def megatron_rl(monkeypatch):
     """Megatron-LM's global arguments (``validate_args``) and the CPU shims, torn down after."""
-    if os.environ["MEGATRON_LM_DIR"] not in sys.path:
-        monkeypatch.syspath_prepend(os.environ["MEGATRON_LM_DIR"])
     monkeypatch.setenv("WANDB_MODE", "disabled")
     from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
     from megatron.training import global_vars
@@ -244,8 +281,13 @@ def rl_step(model, ref_state, branch_replay, configure, perturb):
 
     configure(branch_replay, bf16=next(model.parameters()).dtype == torch.bfloat16)
     ref_state = {k: ref_state[stock_name(k)] for k in model.state_dict()}
+    extra = {}
+    if "request_ledger" in inspect.signature(rl_utils.prepare_data_for_update).parameters:
+        extra["request_ledger"] = {}  # main: per-request records; these rollouts name no completions
     data = rl_utils.prepare_data_for_update([model], ref_state, grpo_rollouts(), Tokenizer(),
-                                            sequence_packing=False, is_correction=False)
+                                            sequence_packing=False, is_correction=False, **extra)
+    if isinstance(data, tuple):  # core_v0.19.0: (data iterator, group stats, example groups)
+        data = data[0]
     batches = [next(data) for _ in range(2)]
     with torch.no_grad():  # the policy moved since the rollouts: ratios != 1, some clipped
         for name, p in model.named_parameters():
@@ -308,8 +350,15 @@ def test_rl_branch_replay_matches_unpatched_logprobs_loss_and_grads(megatron_rl)
     (dict(reset_position_ids=True), "--reset-position-ids"),
     (dict(micro_batch_size=GROUP + 2, global_batch_size=GROUP + 2), "--micro-batch-size"),
     (dict(rl_branch_replay_max_chunk_tokens=0), "--rl-branch-replay-max-chunk-tokens"),
+    # options of later releases (skipped where the release has none)
+    (dict(batch_invariant_mode=True), "--batch-invariant-mode"),
+    (dict(cuda_graph_impl="local"), "--cuda-graph-impl"),
+    (dict(hybrid_layer_pattern="M*"), "--hybrid-layer-pattern"),
 ])
 def test_rl_branch_replay_refusals(megatron_rl, overrides, flag):
+    key = next(iter(overrides))
+    if not hasattr(megatron_rl(False), key):
+        pytest.skip(f"{key}: not an option of Megatron-LM {RELEASE[0]}.{RELEASE[1]}")
     megatron_rl(False, **overrides)  # without the flag Megatron-RL accepts them
     with pytest.raises(ValueError, match=f"--rl-branch-replay: .*{flag}|{flag}"):
         megatron_rl(True, **overrides)

@@ -3,14 +3,17 @@ parsed arguments, the Megatron-RL trajectory helpers, the patch tool's ``--apply
 the shipped patch folder."""
 
 import argparse
+import glob
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 from conftest import make_pair
+from megatron.core.transformer.enums import AttnBackend
 
 from megatron_branch.integrations.megatron_lm import branch_spec_from_args
 from megatron_branch.integrations.megatron_rl import (
@@ -19,6 +22,7 @@ from megatron_branch.integrations.megatron_rl import (
     trajectory_logprobs,
     trajectory_tree,
 )
+from megatron_branch.integrations.megatron_rl import validate_args as validate_rl_args
 from megatron_branch.reference.naive import naive_rollout_logprobs
 from megatron_branch.spec.builders import llama_config
 from megatron_branch.spec.core_attention import BranchCoreAttention
@@ -26,7 +30,6 @@ from megatron_branch.spec.self_attention import BranchSelfAttention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "apply_patches.py")
-PATCHES = os.path.join(ROOT, "patches", "megatron-lm-core_v0.16.1")
 
 
 # ----------------------------------------------------------------------------- branch spec
@@ -93,6 +96,7 @@ def test_branch_spec_from_args_moe_layer_pattern():
     (dict(mtp_num_layers=1), "--mtp-num-layers"),
     (dict(attention_dropout=0.1), "--attention-dropout"),
     (dict(transformer_impl="inference_optimized"), "--transformer-impl inference_optimized"),
+    (dict(attention_backend=AttnBackend.local), "--attention-backend local"),
 ])
 def test_branch_spec_from_args_refusals(overrides, flag):
     with pytest.raises(ValueError, match=flag):
@@ -210,14 +214,112 @@ def test_apply_patches_applies_nothing_when_one_fails(upstream):
     assert (repo / "a.py").read_text() == "x = 1\n"
 
 
-def test_shipped_megatron_lm_patch_folder():
+def _load_tool():
     spec = importlib.util.spec_from_file_location("apply_patches", TOOL)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    upstream = tool.read_upstream(PATCHES)
+    return tool
+
+
+def test_apply_patches_picks_a_branch_folder_by_its_commit(upstream):
+    repo, patches = upstream
+    (repo / "a.py").write_text("x = 3\n")
+    _git(repo, "commit", "-qam", "main moves on")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+    folder = patches / f"up-main-{head[:10]}"
+    folder.mkdir()
+    (folder / "UPSTREAM").write_text(f"repository: https://example.invalid/up\ncommit: {head}\n")
+    (folder / "0001-x.patch").write_text("--- a/a.py\n+++ b/a.py\n@@ -1 +1 @@\n-x = 3\n+x = 4\n")
+    res = _tool("--checkout", str(repo), "--patches", str(patches), "--upstream", "up", "--apply")
+    assert res.returncode == 0 and f"up-main-{head[:10]}/0001-x.patch" in res.stdout, res.stdout + res.stderr
+    assert (repo / "a.py").read_text() == "x = 4\n"
+    tool = _load_tool()
+    assert tool.folder_for(str(repo), "up", str(patches)) == str(folder)
+    _git(repo, "commit", "-qam", "one more")  # a later main has no patch: named, with what exists
+    res = _tool("--checkout", str(repo), "--patches", str(patches), "--upstream", "up")
+    assert res.returncode == 1 and "no up patch fits" in res.stderr
+    assert "v1.0" in res.stderr and f"commit {head[:10]}" in res.stderr
+
+
+def test_patch_folder_names_give_their_upstream():
+    tool = _load_tool()
+    for name in ("megatron-lm-core_v0.16.1", "megatron-lm-core_v0.19.0", "megatron-lm-main-d98e8a64dd"):
+        assert tool.folder_upstream(name) == "megatron-lm", name
+    assert tool.folder_upstream("up-v1.0") == "up"
+
+
+SHIPPED = sorted(glob.glob(os.path.join(ROOT, "patches", "megatron-lm-*")))
+
+
+def test_shipped_megatron_lm_patch_folders_cover_the_releases():
+    tool = _load_tool()
+    versions = {tool.describe(tool.read_upstream(f)) for f in SHIPPED}
+    assert {"core_v0.16.1", "core_v0.19.0", "commit d98e8a64dd"} <= versions
+
+
+@pytest.mark.parametrize("folder", SHIPPED, ids=os.path.basename)
+def test_shipped_megatron_lm_patch_folder(folder):
+    upstream = _load_tool().read_upstream(folder)
     assert upstream["repository"] == "https://github.com/NVIDIA/Megatron-LM"
-    assert upstream["tag"] == "core_v0.16.1" and len(upstream["commit"]) == 40
-    patch = open(os.path.join(PATCHES, "0001-branch-replay.patch"), encoding="utf-8").read()
+    assert len(upstream["commit"]) == 40
+    patch = open(os.path.join(folder, "0001-branch-replay.patch"), encoding="utf-8").read()
     for path in ("train_rl.py", "megatron/rl/rl_utils.py", "megatron/training/arguments.py"):
         assert f"+++ b/{path}" in patch
-    assert "--rl-branch-replay" in patch and "import megatron_branch" not in patch  # imported lazily
+    assert "--rl-branch-replay" in patch and "megatron_rl.validate_args(args)" in patch
+    # megatron_branch is imported only inside the branch-replay code paths, never at module level
+    imports = [line for line in patch.splitlines() if line.startswith("+") and "megatron_branch" in line
+               and "import" in line]
+    assert imports and all(line[1:].startswith(" ") for line in imports), imports
+
+
+# ----------------------------------------------------------------------------- --rl-branch-replay validation
+def rl_args(**overrides):
+    """The fields of Megatron-LM's parsed arguments that the validation reads."""
+    fields = dict(rl_use_sequence_packing=False, pipeline_model_parallel_size=1, context_parallel_size=1,
+                  reset_position_ids=False, reset_attention_mask=False, attention_dropout=0.0, hidden_dropout=0.0,
+                  cuda_graph_impl="none", batch_invariant_mode=False, hybrid_layer_pattern=None,
+                  data_parallel_size=2, grpo_prompts_per_step=4, micro_batch_size=8, grpo_group_size=4,
+                  rl_branch_replay_max_chunk_tokens=None)
+    fields.update(overrides)
+    return argparse.Namespace(**fields)
+
+
+@pytest.mark.parametrize("overrides, flag", [
+    (dict(rl_use_sequence_packing=True), "--rl-use-sequence-packing"),
+    (dict(pipeline_model_parallel_size=2), "--pipeline-model-parallel-size"),
+    (dict(context_parallel_size=2), "--context-parallel-size"),
+    (dict(reset_attention_mask=True), "--reset-attention-mask"),
+    (dict(hidden_dropout=0.1), "--hidden-dropout"),
+    (dict(cuda_graph_impl="transformer_engine"), "--cuda-graph-impl"),
+    (dict(batch_invariant_mode=True), "--batch-invariant-mode"),
+    (dict(hybrid_layer_pattern="M*M*"), "--hybrid-layer-pattern"),
+    (dict(grpo_prompts_per_step=3), "--grpo-prompts-per-step"),
+    (dict(micro_batch_size=6), "--micro-batch-size"),
+    (dict(rl_branch_replay_max_chunk_tokens=0), "--rl-branch-replay-max-chunk-tokens"),
+])
+def test_rl_branch_replay_validation_names_the_flag(overrides, flag):
+    validate_rl_args(rl_args())  # the defaults pass
+    with pytest.raises(ValueError, match=re.escape(flag)):
+        validate_rl_args(rl_args(**overrides))
+
+
+def test_rl_branch_replay_validation_skips_options_a_release_lacks():
+    args = rl_args()
+    for name in ("cuda_graph_impl", "batch_invariant_mode", "hybrid_layer_pattern"):  # not in core_v0.16.1
+        delattr(args, name)
+    validate_rl_args(args)
+
+
+def test_filler_rows_are_scored_whole_as_the_stock_path_does():
+    """core_v0.19.0 pads the trajectories with rows of padding only; they are scored as S pad tokens
+    (as the stock forward does), all on one shared path, and the rest is unchanged."""
+    branch, stock = make_pair(seed=1)
+    seqs = [[3, 4, 5, EOD], [3, 4, 9, 10, EOD]]
+    tokens = torch.cat([padded(seqs, 8), torch.full((2, 8), PAD)])
+    tree = trajectory_tree(tokens, PAD, EOD)
+    assert tree.unique_positions == 2 + 2 + 3 + 8  # shared [3, 4], two answers, one filler path
+    want = naive_rollout_logprobs(stock, seqs + [[PAD] * 8] * 2)
+    lp = trajectory_logprobs(branch, tokens, PAD, EOD)
+    torch.testing.assert_close(lp[2:], want[2:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(lp[:2, :4], want[:2, :4], atol=1e-5, rtol=0)
+    assert (lp[0, 3:] == 0).all() and (lp[1, 4:] == 0).all()

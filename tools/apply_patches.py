@@ -4,14 +4,15 @@
 
 Patches live in ``patches/<upstream>-<version>/NNNN-topic.patch``. A folder may hold an
 ``UPSTREAM`` file (``repository: URL``, ``tag: TAG``, ``commit: SHA``); such a folder is
-used only for a checkout whose ``HEAD`` carries that tag; with ``--upstream``, a checkout
-that matches none of that upstream's folders is refused, naming the tags that do have
-patches. Every selected patch is checked
-with ``git apply --check`` in the checkout (in name order); ``--apply`` applies them once
-all check cleanly. Patches already applied (``git apply --reverse --check`` succeeds) are
-reported and left alone, so ``--apply`` can be repeated. Exit code 1 if any patch does
-not apply or no folder matches the checkout's tag, 2 if ``--checkout`` is not a git
-checkout.
+used only for a checkout whose ``HEAD`` is that commit or carries that tag (a folder for
+a branch such as Megatron-LM's ``main`` names its commit and no tag). With
+``--upstream``, a checkout that matches none of that upstream's folders is refused,
+naming its own tags and commit and the versions that do have patches. Every selected
+patch is checked with ``git apply --check`` in the checkout (in name order); ``--apply``
+applies them once all check cleanly. Patches already applied (``git apply --reverse
+--check`` succeeds) are reported and left alone, so ``--apply`` can be repeated. Exit
+code 1 if any patch does not apply or no folder matches the checkout, 2 if
+``--checkout`` is not a git checkout.
 """
 
 from __future__ import annotations
@@ -46,6 +47,25 @@ def checkout_tags(checkout: str) -> List[str]:
     return res.stdout.split() if res.returncode == 0 else []
 
 
+def checkout_commit(checkout: str) -> str:
+    """The full SHA of the checkout's ``HEAD`` ("" if it has none)."""
+    res = subprocess.run(["git", "rev-parse", "HEAD"], cwd=checkout, capture_output=True, text=True)
+    return res.stdout.strip() if res.returncode == 0 else ""
+
+
+def matches(upstream: Dict[str, str], tags: List[str], commit: str) -> bool:
+    """True if a folder's ``UPSTREAM`` fields name the checkout (no fields: any checkout)."""
+    if not upstream.get("tag") and not upstream.get("commit"):
+        return True
+    pinned = upstream.get("commit", "")
+    return upstream.get("tag") in tags or (bool(pinned) and bool(commit) and commit.startswith(pinned))
+
+
+def describe(upstream: Dict[str, str]) -> str:
+    """A folder's version as a person names it: its tag, else its commit."""
+    return upstream.get("tag") or f"commit {upstream.get('commit', '?')[:10]}"
+
+
 def _git_apply(checkout: str, patch: str, *flags: str) -> subprocess.CompletedProcess:
     return subprocess.run(["git", "apply", *flags, patch], cwd=checkout, capture_output=True, text=True)
 
@@ -61,19 +81,34 @@ def patches_applied(checkout: str, folder: str) -> bool:
     return bool(patches) and all(is_applied(checkout, p) for p in patches)
 
 
-def select_folders(root: str, upstream: Optional[str], tags: List[str]):
-    """``(folders to use, tags of the folders skipped for another version)``."""
+def folder_upstream(name: str) -> str:
+    """The upstream a folder ``<upstream>-<version>`` is for (``megatron-lm-main-d98e8a64dd``:
+    ``megatron-lm``; a version is ``core_vX.Y.Z``, ``main-SHA`` or a bare word)."""
+    base, _, version = name.rpartition("-")
+    if base.endswith("-main"):  # megatron-lm-main-<sha>
+        base = base[: -len("-main")]
+    return base if version else name
+
+
+def select_folders(root: str, upstream: Optional[str], tags: List[str], commit: str = ""):
+    """``(folders to use, versions of the folders skipped for another checkout)``."""
     chosen, other = [], []
     for folder in sorted(glob.glob(os.path.join(root, "*-*"))):
         name = os.path.basename(folder)
-        if not os.path.isdir(folder) or (upstream is not None and name.rsplit("-", 1)[0] != upstream):
+        if not os.path.isdir(folder) or (upstream is not None and folder_upstream(name) != upstream):
             continue
-        tag = read_upstream(folder).get("tag")
-        if tag is None or tag in tags:
+        fields = read_upstream(folder)
+        if matches(fields, tags, commit):
             chosen.append(folder)
         else:
-            other.append(tag)
+            other.append(describe(fields))
     return chosen, other
+
+
+def folder_for(checkout: str, upstream: str, root: str = PATCHES) -> Optional[str]:
+    """The one patch folder of ``upstream`` for ``checkout`` (None if no folder fits)."""
+    chosen, _ = select_folders(root, upstream, checkout_tags(checkout), checkout_commit(checkout))
+    return chosen[0] if len(chosen) == 1 else None
 
 
 def main(argv=None) -> int:
@@ -87,13 +122,14 @@ def main(argv=None) -> int:
             os.path.join(args.checkout, ".git")):
         print(f"error: --checkout {args.checkout} is not a git checkout", file=sys.stderr)
         return 2
-    tags = checkout_tags(args.checkout)
-    folders, other = select_folders(args.patches, args.upstream, tags)
+    tags, commit = checkout_tags(args.checkout), checkout_commit(args.checkout)
+    folders, other = select_folders(args.patches, args.upstream, tags, commit)
     patches = [x for f in folders for x in sorted(glob.glob(os.path.join(f, "*.patch")))]
     if not patches:
         if other and args.upstream is not None:
-            print(f"error: the checkout is at tag(s) {', '.join(tags) or '(none)'}; {args.upstream} patches "
-                  f"exist for {', '.join(sorted(other))}: check out one of those", file=sys.stderr)
+            print(f"error: the checkout is at tag(s) {', '.join(tags) or '(none)'}, commit {commit[:10]}; no "
+                  f"{args.upstream} patch fits it. Patches exist for {', '.join(sorted(other))}: check out one "
+                  "of those", file=sys.stderr)
             return 1
         print("no patches to check (see patches/README.md for the integration points)")
         return 0

@@ -1,8 +1,9 @@
 """Megatron-LM's ``pretrain`` with branch replay: one packed rollout tree per micro-batch.
 
-Runs ``megatron.training.pretrain`` of a Megatron-LM checkout at tag ``core_v0.16.1``
-with Megatron-LM's own model provider (``model_provider.model_provider`` +
-``gpt_builders.gpt_builder``) and the branch spec given on the command line:
+Runs ``megatron.training.pretrain`` of a Megatron-LM checkout (``core_v0.16.1``; for
+``core_v0.19.0`` and ``main`` see the end of this docstring) with Megatron-LM's own model
+provider (``model_provider.model_provider`` + ``gpt_builders.gpt_builder``) and the branch
+spec given on the command line:
 
     --spec megatron_branch.integrations.megatron_lm branch_layer_spec
 
@@ -20,7 +21,7 @@ summed over tokens. Megatron divides the gradients by the global token count, wh
 CPU, 2 gloo processes (Megatron-LM's CUDA assumptions are shimmed by
 :func:`megatron_branch.cpu.megatron_lm_on_cpu`, applied only when CUDA is absent)::
 
-    MEGATRON_LM_DIR=/path/to/Megatron-LM  # git checkout of tag core_v0.16.1
+    MEGATRON_LM_DIR=/path/to/Megatron-LM  # git checkout of tag core_v0.16.1, patched
     PYTHONPATH=$MEGATRON_LM_DIR torchrun --nproc_per_node 2 \\
         examples/megatron_lm/pretrain_branch.py \\
         --spec megatron_branch.integrations.megatron_lm branch_layer_spec \\
@@ -51,14 +52,15 @@ MoE router statistics (aux/z losses, token dropping) count unique tree tokens, n
 rollout tokens. Logged ``lm loss`` is the response-token cross-entropy averaged over the
 global token count.
 
-Megatron-LM ``core_v0.19.0`` differs: ``pretrain(cfg_container, train_valid_test_dataset_provider,
-model_type, forward_step_func, model_provider=None, ...)`` takes a config container built
-from the parsed arguments (``pretrain_cfg_container_from_args``), and its
-``megatron/training`` imports ``typing.override``, so it needs Python >= 3.12 and cannot
-run on Python 3.11 (checked: ``import megatron.training`` raises ImportError there). This
-script covers ``core_v0.16.1``. The ``--spec MODULE NAME`` form is the same in
-``core_v0.19.0`` (``import_module(args.spec)`` into ``GPTModelConfig.transformer_layer_spec``,
-which also accepts a ``callable(config, vp_stage=...)``); that path is not run here.
+Megatron-LM ``core_v0.19.0`` and ``main``: ``pretrain(cfg_container, ...)`` takes a config
+container built from the parsed arguments; this script then goes through
+``parse_and_validate_args`` -> ``gpt_config_from_args`` (``--spec`` imported into
+``GPTModelConfig.transformer_layer_spec``) -> ``pretrain_cfg_container_from_args`` and
+lets Megatron-LM build the model from the config. Those releases declare Python >= 3.12;
+on Python 3.11 put ``tools/python311`` (a ``typing.override`` shim) first on the path::
+
+    PYTHONPATH=tools/python311:$MEGATRON_LM_DIR torchrun --nproc_per_node 2 \\
+        examples/megatron_lm/pretrain_branch.py ...  # the flags above
 """
 
 from __future__ import annotations
@@ -178,24 +180,39 @@ def forward_step(data_iterator, model):
 
 
 def main() -> None:
-    from gpt_builders import gpt_builder
+    import inspect
+
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
-    from model_provider import model_provider
 
     from megatron_branch.cpu import megatron_lm_on_cpu
 
     if "--calculate-per-token-loss" not in sys.argv:
         sys.argv.append("--calculate-per-token-loss")
     with megatron_lm_on_cpu():
-        pretrain(
-            train_valid_test_datasets_provider,
-            partial(model_provider, gpt_builder),
-            ModelType.encoder_or_decoder,
-            forward_step,
-            extra_args_provider=add_branch_args,
-            args_defaults={"dataloader_type": "external"},
-        )
+        if "cfg_container" in inspect.signature(pretrain).parameters:
+            # core_v0.19.0 and later: arguments -> model config (``--spec`` imported into
+            # ``GPTModelConfig.transformer_layer_spec``) -> config container; the model is
+            # built from the config, without a model provider.
+            from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+            from megatron.training.arguments import parse_and_validate_args
+
+            args = parse_and_validate_args(extra_args_provider=add_branch_args,
+                                           args_defaults={"dataloader_type": "external"})
+            config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+            pretrain(config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step)
+        else:  # core_v0.16.1: Megatron-LM's model provider and builder
+            from gpt_builders import gpt_builder
+            from model_provider import model_provider
+
+            pretrain(
+                train_valid_test_datasets_provider,
+                partial(model_provider, gpt_builder),
+                ModelType.encoder_or_decoder,
+                forward_step,
+                extra_args_provider=add_branch_args,
+                args_defaults={"dataloader_type": "external"},
+            )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,8 @@ def branch_spec_from_args(args, config=None, vp_stage: Optional[int] = None):
     Raises:
         ValueError: options the branch spec cannot honour exactly (multi-latent
             attention, experimental attention variants, ``--qk-l2-norm``, heterogeneous
-            layers, multi-token prediction, attention dropout, ``--transformer-impl``
-            other than ``local``/``transformer_engine``).
+            layers, multi-token prediction, attention dropout, ``--attention-backend
+            local``, ``--transformer-impl`` other than ``local``/``transformer_engine``).
     """
     for flag, what in (("multi_latent_attention", "--multi-latent-attention"),
                        ("experimental_attention_variant", "--experimental-attention-variant"),
@@ -56,6 +56,12 @@ def branch_spec_from_args(args, config=None, vp_stage: Optional[int] = None):
     if getattr(args, "transformer_impl", "local") not in ("local", "transformer_engine"):
         raise ValueError(f"--transformer-impl {args.transformer_impl}: the branch spec builds on the local "
                          "or transformer_engine layers")
+    backend = getattr(args, "attention_backend", None)
+    if getattr(backend, "name", backend) == "local":
+        # core_v0.19.0's GPTModelConfig.build_model swaps the spec's core attention for Megatron's
+        # DotProductAttention under this backend, which would drop the tree attention
+        raise ValueError("--attention-backend local: Megatron-LM replaces the spec's core attention with its "
+                         "own under it, dropping the tree attention; leave the default (auto)")
     if getattr(args, "attention_dropout", 0.0):
         raise ValueError(f"--attention-dropout: branch replay is exact only without dropout, got "
                          f"{args.attention_dropout}; pass --attention-dropout 0")

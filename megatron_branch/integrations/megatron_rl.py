@@ -1,4 +1,4 @@
-"""The Python side of the Megatron-RL patch (``patches/megatron-lm-core_v0.16.1``).
+"""The Python side of the Megatron-RL patches (``patches/megatron-lm-*``).
 
 Megatron-RL (``train_rl.py --rl-branch-replay``) hands its trajectories over as it keeps
 them: ``[N, S]`` token ids, right-padded to ``--seq-length`` with the tokenizer's pad id,
@@ -11,7 +11,7 @@ on padding; a finite fill keeps ``exp``/``log`` of the GRPO loss free of NaN the
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 from torch import Tensor
@@ -43,8 +43,15 @@ def trajectory_lengths(tokens: Tensor, pad_id: int, eod_id: Optional[int] = None
 
 
 def trajectory_tree(tokens: Tensor, pad_id: int, eod_id: Optional[int] = None) -> BranchTree:
-    """The prefix tree of the trajectories ``[N, S]`` without their padding."""
+    """The prefix tree of the trajectories ``[N, S]`` without their padding.
+
+    A row of padding only (``core_v0.19.0`` pads the number of trajectories to a multiple
+    of data-parallel size x micro-batch size with such rows; nothing in them is generated,
+    so their loss mask is 0 throughout) is scored whole, as the stock path scores it: all
+    such rows share one path of ``S`` tokens in the tree.
+    """
     lengths = trajectory_lengths(tokens, pad_id, eod_id)
+    lengths = torch.where(lengths == 0, tokens.shape[1], lengths)
     rows = tokens.detach().cpu()
     return BranchTree.from_sequences([rows[n, : int(lengths[n])] for n in range(rows.shape[0])])
 
@@ -79,3 +86,71 @@ def trajectory_logprobs(model, tokens: Tensor, pad_id: int, eod_id: Optional[int
     tree = trajectory_tree(tokens, pad_id, eod_id)
     lp = rollout_logprobs(model, tree)
     return _as_megatron_rl(lp, tokens.shape[1]).to(tokens.device)
+
+
+def loader_logprobs(model, data_loader: Iterable, tokenizer, *, max_chunk_tokens: Optional[int] = None) -> Tensor:
+    """Old/reference-policy log-probs ``[N, S - 1]`` of every trajectory in Megatron-RL's
+    log-prob data loader (``core_v0.19.0`` and later: ``compute_logprobs_batch``'s
+    ``DataLoader(TensorDataset(trajs, position_ids))``), in one replay over their tree.
+
+    The position ids are not read: an unpacked trajectory's are ``0 .. S - 1``
+    (``--reset-position-ids`` is refused by :func:`validate_args`).
+
+    Returns:
+        fp32 log-probs on the trajectories' device, 0 past each end.
+    """
+    batches = [batch[0] for batch in data_loader]
+    if not batches:
+        raise ValueError("compute_logprobs_batch: the data loader holds no trajectories")
+    trajs = torch.cat(batches)
+    return replay_trajectory_logprobs(model, trajs, tokenizer.pad, tokenizer.eod, max_chunk_tokens=max_chunk_tokens)
+
+
+# (argument, refused when, what to name): options under which the tree forward would not be
+# what the stock path computes, or which Megatron-RL's tree path does not cover.
+_REFUSED = (
+    ("rl_use_sequence_packing", lambda v: bool(v), "--rl-use-sequence-packing (bins are built from the "
+     "stock per-trajectory layout)"),
+    ("pipeline_model_parallel_size", lambda v: (v or 1) > 1, "--pipeline-model-parallel-size > 1"),
+    ("context_parallel_size", lambda v: (v or 1) > 1, "--context-parallel-size > 1"),
+    ("reset_position_ids", lambda v: bool(v), "--reset-position-ids"),
+    ("reset_attention_mask", lambda v: bool(v), "--reset-attention-mask"),
+    ("attention_dropout", lambda v: bool(v), "--attention-dropout must be 0 (shared tokens would share "
+     "dropout masks)"),
+    ("hidden_dropout", lambda v: bool(v), "--hidden-dropout must be 0 (shared tokens would share dropout masks)"),
+    ("cuda_graph_impl", lambda v: v not in (None, "none"), "--cuda-graph-impl other than none (a tree's "
+     "shapes change every step; graphs are captured for the stock shapes)"),
+    ("batch_invariant_mode", lambda v: bool(v), "--batch-invariant-mode (tree attention equals the stock "
+     "forward to rounding, not bit for bit)"),
+    ("hybrid_layer_pattern", lambda v: v is not None, "--hybrid-layer-pattern (hybrid Mamba models have no "
+     "branch spec yet)"),
+)
+
+
+def validate_args(args) -> None:
+    """Megatron-LM's ``validate_args`` for ``--rl-branch-replay`` (every patch calls it).
+
+    Refuses what the tree path cannot compute as the stock path does, and what would cut a
+    GRPO group (the answers of one prompt share their prompt only inside one tree):
+    ``--grpo-prompts-per-step`` must divide over the data-parallel ranks and
+    ``--micro-batch-size`` be a multiple of ``--grpo-group-size``. Options the release does
+    not have are skipped.
+
+    Raises:
+        ValueError: ``--rl-branch-replay: ...`` naming the flag.
+    """
+    for name, refused, what in _REFUSED:
+        if refused(getattr(args, name, None)):
+            raise ValueError(f"--rl-branch-replay: not supported with {what}")
+    dp = getattr(args, "data_parallel_size", 1) or 1
+    if args.grpo_prompts_per_step % dp:
+        raise ValueError(f"--rl-branch-replay: --grpo-prompts-per-step ({args.grpo_prompts_per_step}) must be "
+                         f"divisible by the data-parallel size ({dp}) so that no GRPO group is split across "
+                         "data-parallel ranks")
+    if args.micro_batch_size % args.grpo_group_size:
+        raise ValueError(f"--rl-branch-replay: --micro-batch-size ({args.micro_batch_size}) must be a multiple "
+                         f"of --grpo-group-size ({args.grpo_group_size}) so that no GRPO group is split across "
+                         "micro-batches")
+    chunk = getattr(args, "rl_branch_replay_max_chunk_tokens", None)
+    if chunk is not None and chunk < 1:
+        raise ValueError("--rl-branch-replay-max-chunk-tokens: must be a positive number of tokens")
