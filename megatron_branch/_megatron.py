@@ -24,10 +24,13 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.module import Float16Module, MegatronModule
+from megatron.core.transformer import multi_latent_attention as _mla_module
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 vocab_parallel_cross_entropy = tensor_parallel.vocab_parallel_cross_entropy
@@ -52,6 +55,22 @@ except ImportError:  # 0.16: a module-level dict
     from megatron.core.transformer.moe.moe_utils import (
         save_to_aux_losses_tracker as _save_to_tracker,
     )
+
+
+def mla_unbuildable_reason() -> Optional[str]:
+    """Why this megatron-core cannot build ``MLASelfAttention`` here, or None.
+
+    megatron-core 0.16 decides "Transformer Engine present" in ``multi_latent_attention``
+    from an import of its TE extension module, which imports without TE (it stands a mock
+    in for TE); the layer's constructor then calls ``isinstance(..., TELinear)`` with that
+    mock and raises ``TypeError``. 0.19 reads the extension's real ``HAVE_TE`` flag.
+    """
+    te_linear = getattr(_mla_module, "TELinear", None)
+    if getattr(_mla_module, "HAVE_TE", False) and not isinstance(te_linear, type):
+        major, minor = megatron_core_version()
+        return (f"megatron-core {major}.{minor} cannot build MLASelfAttention without Transformer Engine "
+                "(its TE check receives a mock class); use megatron-core >= 0.19 or install Transformer Engine")
+    return None
 
 
 def megatron_core_version() -> tuple:

@@ -243,6 +243,8 @@ class _CudaFactoriesOnCpu(TorchFunctionMode):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.cuda:
             return args[0]
+        if kwargs.get("pin_memory") and not torch.cuda.is_available():
+            kwargs["pin_memory"] = False  # pinning speeds host-to-GPU copies only; no allocator here
         out = func(*args, **kwargs)
         if func is torch.Tensor.type and len(args) == 1 and not kwargs and isinstance(out, str):
             # megatron's optimizers check ``param.type() == 'torch.cuda.FloatTensor'``
@@ -265,7 +267,10 @@ def cuda_factories_on_cpu():
       allocate their flags and norms with ``device='cuda'`` and check
       ``param.type() == 'torch.cuda.FloatTensor'`` (and the bf16/fp16 names) before they
       accept a parameter; ``megatron_branch.training`` wraps construction and ``step``;
-    * ``finalize_model_grads`` under the per-token loss.
+    * ``finalize_model_grads`` under the per-token loss;
+    * YaRN rotary embeddings under context parallelism (multi-latent attention): their
+      constructor slices a cached table with ``get_pos_emb_on_this_cp_rank``, whose index
+      tensor asks for ``pin_memory=True`` (dropped: there is no accelerator to copy to).
     """
     if torch.cuda.is_available():
         yield

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=192)
+MLA = dict(num_layers=2, hidden_size=64, num_attention_heads=4, rope_type="yarn", qk_layernorm=True)
 VOCAB = 128
 
 
@@ -42,14 +43,18 @@ def make_loss(batch):
     return loss_fn
 
 
-def build(tp=1, pp=1, sp=False, **overrides):
+def build(tp=1, pp=1, sp=False, mla=False, **overrides):
+    """The test model for a layout; ``mla``: the multi-latent-attention model (YaRN RoPE)."""
     from megatron_branch._megatron import parallel_state
-    from megatron_branch.spec.builders import build_gpt, llama_config
+    from megatron_branch.spec.builders import build_gpt, llama_config, mla_config
 
-    config = llama_config(**MODEL, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                          context_parallel_size=parallel_state.get_context_parallel_world_size(),
-                          sequence_parallel=sp, pipeline_dtype=torch.float32,
-                          calculate_per_token_loss=True, **overrides)
+    parallel = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                    context_parallel_size=parallel_state.get_context_parallel_world_size(),
+                    sequence_parallel=sp, pipeline_dtype=torch.float32, calculate_per_token_loss=True)
+    if mla:
+        config = mla_config(**MLA, **parallel, **overrides)
+    else:
+        config = llama_config(**MODEL, **parallel, **overrides)
     return build_gpt(config, VOCAB, seed=0,
                      pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage())
@@ -97,7 +102,7 @@ def worker(rank, world, port, layout, cases, weights, out_dir):
             context_parallel_size=layout["cp"])
         from megatron_branch.training import wrap_ddp
 
-        model = build(layout["tp"], layout["pp"], layout.get("sp", False))
+        model = build(layout["tp"], layout["pp"], layout.get("sp", False), layout.get("mla", False))
         load_full_state(model, torch.load(weights))
         model = wrap_ddp(model)
         data = trees()
@@ -138,6 +143,36 @@ def spawn(layout, cases, weights, out_dir, port):
     world = layout["tp"] * layout["cp"] * layout["pp"]
     start(worker, (world, port, layout, cases, weights, out_dir), world)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+
+
+def build_error_worker(rank, world, port, layout, out_dir):
+    """Build the layout's model and save the ``ValueError`` it raises ("" if none)."""
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import megatron_branch as mb
+    from megatron_branch._megatron import parallel_state
+
+    mb.enable_cpu()
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout["tp"],
+                                                 context_parallel_size=layout["cp"])
+        message = ""
+        try:
+            build(layout["tp"], layout["pp"], layout.get("sp", False), layout.get("mla", False))
+        except ValueError as e:
+            message = str(e)
+        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
+            f.write(message)
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def spawn_build_error(layout, out_dir, port):
+    world = layout["tp"] * layout["cp"] * layout["pp"]
+    start(build_error_worker, (world, port, layout, out_dir), world)
+    return [open(os.path.join(out_dir, f"error{r}.txt")).read() for r in range(world)]
 
 
 def hf_worker(rank, world, port, ckpt, sequences, out_dir):

@@ -88,8 +88,24 @@ def test_branch_spec_from_args_moe_layer_pattern():
     assert [isinstance(layer.mlp, MoELayer) for layer in branch.decoder.layers] == [False, True]
 
 
+def test_branch_spec_from_args_multi_latent_attention():
+    from megatron_branch._megatron import mla_unbuildable_reason
+    from megatron_branch.spec.builders import mla_config
+    from megatron_branch.spec.mla_attention import BranchMLASelfAttention
+    from megatron_branch.spec.stock_mla import get_stock_mla_layer_spec
+
+    if mla_unbuildable_reason():
+        pytest.skip(mla_unbuildable_reason())
+    config = mla_config(qk_layernorm=True)
+    branch = gpt(branch_spec_from_args(lm_args(multi_latent_attention=True, qk_layernorm=True)), config)
+    stock = gpt(get_stock_mla_layer_spec(normalization="RMSNorm", qk_layernorm=True), config)
+    assert shapes(branch) == shapes(stock)
+    assert attention_kinds(branch) == {BranchCoreAttention}
+    assert all(isinstance(layer.self_attention, BranchMLASelfAttention) for layer in branch.decoder.layers)
+
+
 @pytest.mark.parametrize("overrides, flag", [
-    (dict(multi_latent_attention=True), "--multi-latent-attention"),
+    (dict(mla_down_proj_fusion=True), "--mla-down-proj-fusion"),
     (dict(experimental_attention_variant="gated_delta_net"), "--experimental-attention-variant"),
     (dict(qk_l2_norm=True), "--qk-l2-norm"),
     (dict(heterogeneous_layers_config_path="layers.json"), "--heterogeneous-layers-config-path"),

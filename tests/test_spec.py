@@ -88,12 +88,22 @@ def test_without_te_the_spec_never_imports_it():
     "kwargs, match",
     [
         ({"backend": "flash"}, "backend: 'flash' is not one of"),
-        ({"multi_latent_attention": True}, "multi_latent_attention"),
     ],
 )
 def test_bad_spec_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         mb.get_branch_layer_spec(**kwargs)
+
+
+def test_mla_where_megatron_core_cannot_build_it_is_refused_by_name():
+    # megatron-core 0.16 without Transformer Engine: its MLASelfAttention raises TypeError
+    from megatron_branch._megatron import mla_unbuildable_reason
+    from megatron_branch.spec.builders import build_gpt, mla_config
+
+    if not mla_unbuildable_reason():
+        pytest.skip("this megatron-core builds MLASelfAttention (tests/test_mla.py runs)")
+    with pytest.raises(ValueError, match="multi_latent_attention: megatron-core 0.16 cannot build MLASelfAttention"):
+        build_gpt(mla_config(), 128)
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,12 @@ requires: ``P = exp(S - lse_merged)``, ``D = rowsum(dO * O_merged)``.
   passed ``tools/gpu_check.py`` on a GPU.
 * ``flash_cuda``: torch's CUDA flash kernel with its log-sum-exp (bf16/fp16); opt in with
   ``get_branch_layer_spec(kernel="flash_cuda")``.
+
+Value heads may be narrower or wider than query/key heads (multi-latent attention:
+``qk_head_dim + qk_pos_emb_head_dim`` against ``v_head_dim``). The flash kernels need one
+head size, so :func:`equal_head_dims` pads the narrower side with zero columns and cuts
+the result back: zero key columns add nothing to ``q . k``, zero value columns give zero
+output columns whose gradient is zero, so every kept number is the unpadded one.
 """
 
 from __future__ import annotations
@@ -117,9 +123,37 @@ def flash_cuda_backward(
     return _back(dq, batched), _back(dk, batched), _back(dv, batched)
 
 
+def _pad_to(x: Tensor, width: int) -> Tensor:
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
+def equal_head_dims(forward, backward):
+    """A (forward, backward) kernel pair that also takes value heads of another width."""
+
+    def padded_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float):
+        dqk, dv = q.shape[-1], v.shape[-1]
+        if dqk == dv:
+            return forward(q, k, v, causal, scale)
+        width = max(dqk, dv)
+        out, lse = forward(_pad_to(q, width), _pad_to(k, width), _pad_to(v, width), causal, scale)
+        return out[..., :dv], lse
+
+    def padded_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                        causal: bool, scale: float):
+        dqk, dv = q.shape[-1], v.shape[-1]
+        if dqk == dv:
+            return backward(dout, q, k, v, out, lse, causal, scale)
+        width = max(dqk, dv)
+        dq, dk, dvv = backward(_pad_to(dout, width), _pad_to(q, width), _pad_to(k, width), _pad_to(v, width),
+                               _pad_to(out, width), lse, causal, scale)
+        return dq[..., :dqk], dk[..., :dqk], dvv[..., :dv]
+
+    return padded_forward, padded_backward
+
+
 KERNELS = {
-    "flash_cpu": (flash_cpu_forward, flash_cpu_backward),
-    "flash_cuda": (flash_cuda_forward, flash_cuda_backward),
+    "flash_cpu": equal_head_dims(flash_cpu_forward, flash_cpu_backward),
+    "flash_cuda": equal_head_dims(flash_cuda_forward, flash_cuda_backward),
     "math": (math_forward, math_backward),
 }
 

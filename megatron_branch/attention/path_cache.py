@@ -108,11 +108,13 @@ class PathCache:
             raise RuntimeError(f"PathCache.record: stem {stem_id} is not the stem being forwarded")
         self.open_rows = rows
         if layer_number not in self.kv:
-            shape = (self.capacity,) + tuple(key.shape[2:])
-            self.kv[layer_number] = (key.new_empty(shape), value.new_empty(shape))
+            # K and V heads may differ in width (multi-latent attention)
+            k_shape = (self.capacity,) + tuple(key.shape[2:])
+            v_shape = (self.capacity,) + tuple(value.shape[2:])
+            self.kv[layer_number] = (key.new_empty(k_shape), value.new_empty(v_shape))
             if self.requires_grad:
-                self.grad[layer_number] = (key.new_zeros(shape, dtype=torch.float32),
-                                           value.new_zeros(shape, dtype=torch.float32))
+                self.grad[layer_number] = (key.new_zeros(k_shape, dtype=torch.float32),
+                                           value.new_zeros(v_shape, dtype=torch.float32))
         if self.length + rows > self.capacity:
             raise RuntimeError(f"PathCache: {self.length + rows} rows exceed the planned capacity {self.capacity}")
         k, v = self.kv[layer_number]

@@ -7,7 +7,7 @@ therefore a spec that builds itself from Megatron-LM's parsed arguments the firs
 GPTModel reads it: the layer (or, for MoE layer patterns, block) spec Megatron-LM would
 have built without ``--spec`` — ``--normalization``, ``--qk-layernorm``,
 ``--num-experts``/``--moe-layer-freq``/``--moe-grouped-gemm``,
-``--transformer-impl``, ... — with tree attention in every layer
+``--transformer-impl``, ``--multi-latent-attention``, ... — with tree attention in every layer
 (:func:`megatron_branch.spec.apply_branch_attention`), and for MoE the routers that keep
 naive-batch statistics (:func:`megatron_branch.spec.moe.apply_branch_moe`). Model dimensions (``--kv-channels``
 and the rest) live in the ``TransformerConfig``, which Megatron-LM builds as usual.
@@ -40,13 +40,13 @@ def branch_spec_from_args(args, config=None, vp_stage: Optional[int] = None):
         vp_stage: the virtual pipeline stage (block specs are per stage).
 
     Raises:
-        ValueError: options the branch spec cannot honour exactly (multi-latent
-            attention, experimental attention variants, ``--qk-l2-norm``, heterogeneous
+        ValueError: options the branch spec cannot honour exactly (experimental
+            attention variants, ``--mla-down-proj-fusion``, ``--qk-l2-norm``, heterogeneous
             layers, multi-token prediction, attention dropout, ``--attention-backend
             local``, ``--transformer-impl`` other than ``local``/``transformer_engine``).
     """
-    for flag, what in (("multi_latent_attention", "--multi-latent-attention"),
-                       ("experimental_attention_variant", "--experimental-attention-variant"),
+    for flag, what in (("experimental_attention_variant", "--experimental-attention-variant"),
+                       ("mla_down_proj_fusion", "--mla-down-proj-fusion"),
                        ("qk_l2_norm", "--qk-l2-norm"),
                        ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path"),
                        # gpt_builder builds MTP layers from Megatron's stock layer specs
@@ -80,9 +80,11 @@ def branch_spec_from_args(args, config=None, vp_stage: Optional[int] = None):
                                                 normalization=args.normalization, vp_stage=vp_stage)
     elif use_te:
         base = get_gpt_layer_with_transformer_engine_spec(
-            qk_layernorm=args.qk_layernorm, moe_grouped_gemm=getattr(args, "moe_grouped_gemm", False))
+            qk_layernorm=args.qk_layernorm, moe_grouped_gemm=getattr(args, "moe_grouped_gemm", False),
+            multi_latent_attention=bool(getattr(args, "multi_latent_attention", False)))
     else:
-        base = get_gpt_layer_local_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm)
+        base = get_gpt_layer_local_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm,
+                                        multi_latent_attention=bool(getattr(args, "multi_latent_attention", False)))
     spec = apply_branch_attention(base)
     # router statistics weighted by multiplicity (naive-batch aux/z losses and counts); a no-op without MoE layers
     return apply_branch_moe(spec)

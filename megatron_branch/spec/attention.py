@@ -1,7 +1,8 @@
 """``apply_branch_attention``: tree attention in the attention slots of any layer spec.
 
-Installs the two modules beside it: :class:`~megatron_branch.spec.self_attention.BranchSelfAttention`
-(RoPE at tree depths) and :class:`~megatron_branch.spec.core_attention.BranchCoreAttention`
+Installs the modules beside it: :class:`~megatron_branch.spec.self_attention.BranchSelfAttention`
+(RoPE at tree depths), or :class:`~megatron_branch.spec.mla_attention.BranchMLASelfAttention`
+for multi-latent attention layers, and :class:`~megatron_branch.spec.core_attention.BranchCoreAttention`
 (the ``core_attention`` slot). :func:`check_tree_attention` is the matching model check.
 """
 
@@ -10,9 +11,10 @@ from __future__ import annotations
 import copy
 from typing import Optional
 
-from megatron_branch._megatron import ModuleSpec, SelfAttention
+from megatron_branch._megatron import MLASelfAttention, ModuleSpec, SelfAttention
 from megatron_branch.spec.core_attention import BACKENDS, BranchCoreAttention
 from megatron_branch.spec.layers import map_layers
+from megatron_branch.spec.mla_attention import BranchMLASelfAttention
 from megatron_branch.spec.self_attention import BranchSelfAttention
 
 
@@ -24,13 +26,14 @@ def apply_branch_attention(
     Accepts what GPTModel accepts as ``transformer_layer_spec``: a layer ``ModuleSpec``, a
     ``TransformerBlockSubmodules`` (e.g. ``get_gpt_decoder_block_spec`` for MoE layer
     patterns) or a ``ModuleSpec`` of a ``TransformerBlock``. In each layer,
-    ``self_attention.module`` becomes :class:`BranchSelfAttention` and its
-    ``core_attention`` :class:`BranchCoreAttention`; nothing else changes, so parameter
-    names and shapes are the original spec's.
+    ``self_attention.module`` becomes :class:`BranchSelfAttention` (or, for Megatron's
+    ``MLASelfAttention``, :class:`BranchMLASelfAttention`) and its ``core_attention``
+    :class:`BranchCoreAttention`; nothing else changes, so parameter names and shapes are
+    the original spec's.
 
     Raises:
-        ValueError: a layer whose self-attention is not Megatron's ``SelfAttention``
-            (multi-latent attention, experimental attention variants).
+        ValueError: a layer whose self-attention is neither Megatron's ``SelfAttention``
+            nor its ``MLASelfAttention`` (experimental attention variants).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
@@ -43,14 +46,23 @@ def _with_branch_attention(layer: ModuleSpec, core: ModuleSpec) -> ModuleSpec:
     # original spec (megatron-core 0.17+ builds MLP slots with functools.partial, which
     # compares unequal once deep-copied).
     attn = layer.submodules.self_attention
-    if not (isinstance(attn.module, type) and issubclass(attn.module, SelfAttention)):
+    module = attn.module if isinstance(attn.module, type) else None
+    if module is MLASelfAttention or (module is not None and issubclass(module, BranchMLASelfAttention)):
+        branch_module = BranchMLASelfAttention
+    elif module is not None and issubclass(module, MLASelfAttention):
+        # e.g. 0.19's FusedMLASelfAttention (--mla-down-proj-fusion): other parameters, other code
+        raise ValueError(f"self_attention: {module.__name__} is a variant of MLASelfAttention the branch spec "
+                         "does not know; use the unfused MLASelfAttention (e.g. no --mla-down-proj-fusion)")
+    elif module is not None and issubclass(module, SelfAttention):
+        branch_module = BranchSelfAttention
+    else:
         name = getattr(attn.module, "__name__", type(attn.module).__name__)
-        raise ValueError(f"self_attention: {name} is not Megatron's SelfAttention; the branch spec "
-                         "replaces only its core attention (MLA and attention variants are not supported)")
+        raise ValueError(f"self_attention: {name} is neither Megatron's SelfAttention nor its MLASelfAttention; "
+                         "the branch spec replaces only their core attention (attention variants are not supported)")
     attn_sub = copy.copy(attn.submodules)
     attn_sub.core_attention = core
     new_attn = copy.copy(attn)
-    new_attn.module, new_attn.submodules, new_attn.params = BranchSelfAttention, attn_sub, dict(attn.params)
+    new_attn.module, new_attn.submodules, new_attn.params = branch_module, attn_sub, dict(attn.params)
     layer_sub = copy.copy(layer.submodules)
     layer_sub.self_attention = new_attn
     new_layer = copy.copy(layer)

@@ -7,9 +7,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_branch._megatron import GPTModel, TransformerConfig, get_gpt_layer_local_spec
+from megatron_branch._megatron import GPTModel, MLATransformerConfig, TransformerConfig, get_gpt_layer_local_spec
 from megatron_branch.cpu import cuda_factories_on_cpu
 from megatron_branch.spec import get_branch_layer_spec
+from megatron_branch.spec.stock_mla import get_stock_mla_layer_spec
 
 
 def llama_config(
@@ -51,6 +52,39 @@ def llama_config(
     return TransformerConfig(**kwargs)
 
 
+def mla_config(
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_attention_heads: int = 4,
+    q_lora_rank: Optional[int] = 32,
+    kv_lora_rank: int = 16,
+    qk_head_dim: int = 16,
+    qk_pos_emb_head_dim: int = 8,
+    v_head_dim: int = 12,
+    rope_type: str = "rope",
+    **overrides,
+) -> MLATransformerConfig:
+    """A DeepSeek-V3-style ``MLATransformerConfig`` (multi-latent attention; query/key heads
+    of ``qk_head_dim + qk_pos_emb_head_dim``, value heads of ``v_head_dim``), with the
+    CPU-safe settings of :func:`llama_config`. ``rope_type="yarn"`` adds DeepSeek's YaRN
+    defaults (scaling factor 4, mscale 1) unless overridden."""
+    base = llama_config(num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+                        num_query_groups=num_attention_heads)
+    kwargs = {f: getattr(base, f) for f in (
+        "ffn_hidden_size", "normalization", "gated_linear_unit", "activation_func", "add_bias_linear",
+        "hidden_dropout", "attention_dropout", "bias_dropout_fusion", "bias_activation_fusion",
+        "apply_rope_fusion", "masked_softmax_fusion", "gradient_accumulation_fusion", "persist_layer_norm",
+        "use_cpu_initialization", "params_dtype", "layernorm_epsilon")}
+    kwargs.update(num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+                  multi_latent_attention=True, q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank,
+                  qk_head_dim=qk_head_dim, qk_pos_emb_head_dim=qk_pos_emb_head_dim, v_head_dim=v_head_dim,
+                  rope_type=rope_type, rotary_base=10000)
+    if rope_type == "yarn":
+        kwargs.update(rotary_scaling_factor=4.0, mscale=1.0, mscale_all_dim=1.0, original_max_position_embeddings=64)
+    kwargs.update(overrides)
+    return MLATransformerConfig(**kwargs)
+
+
 def build_gpt(
     config: TransformerConfig,
     vocab_size: int,
@@ -66,7 +100,8 @@ def build_gpt(
     Args:
         config: e.g. from :func:`llama_config`.
         vocab_size: vocabulary size.
-        branch: the branch spec (tree attention) if True, else Megatron's stock local spec.
+        branch: the branch spec (tree attention) if True, else Megatron's stock local spec
+            (for multi-latent attention :func:`~megatron_branch.spec.stock_mla.get_stock_mla_layer_spec`).
         max_sequence_length: longest position.
         spec_kwargs: extra keywords for the layer spec (``backend``, ``chunk_size``, ...).
         seed: seeds the CPU generator before initialisation, for reproducible weights.
@@ -75,12 +110,13 @@ def build_gpt(
     spec_kwargs = dict(spec_kwargs or {})
     spec_kwargs.setdefault("normalization", config.normalization)
     spec_kwargs.setdefault("qk_layernorm", config.qk_layernorm)
+    mla = bool(getattr(config, "multi_latent_attention", False))
     if branch:
-        spec = get_branch_layer_spec(**spec_kwargs)
+        spec = get_branch_layer_spec(multi_latent_attention=mla, **spec_kwargs)
     else:
         for key in ("backend", "chunk_size", "kernel"):
             spec_kwargs.pop(key, None)
-        spec = get_gpt_layer_local_spec(**spec_kwargs)
+        spec = get_stock_mla_layer_spec(**spec_kwargs) if mla else get_gpt_layer_local_spec(**spec_kwargs)
     if seed is not None:
         torch.manual_seed(seed)
     model_kwargs.setdefault("share_embeddings_and_output_weights", False)

@@ -53,6 +53,8 @@ class BranchCoreAttention(MegatronModule):
         config: the model's TransformerConfig (``attention_dropout`` must be 0).
         layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale,
             cp_comm_type, pg_collection: as for Megatron's ``DotProductAttention``.
+        k_channels, v_channels: query/key and value head sizes where they differ from
+            ``config.kv_channels`` (multi-latent attention passes both, as to TE's attention).
         backend: ``"cascade"`` or ``"dense"``.
         chunk_size: most queries per cascade piece (``None``: whole segments; the ``math``
             kernel then tiles queries and keys to :data:`MATH_TILE`).
@@ -69,6 +71,8 @@ class BranchCoreAttention(MegatronModule):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection=None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
         backend: Backend = "cascade",
         chunk_size: Optional[int] = None,
         kernel: Optional[str] = None,
@@ -94,7 +98,9 @@ class BranchCoreAttention(MegatronModule):
         self.backend = backend
         self.chunk_size = chunk_size
         self.kernel = kernel
-        head_dim = config.kv_channels
+        self.k_channels = k_channels or config.kv_channels
+        self.v_channels = v_channels or config.kv_channels
+        head_dim = self.k_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
 
     def forward(
@@ -112,7 +118,8 @@ class BranchCoreAttention(MegatronModule):
         Args:
             query: ``[sq, b, heads, head_dim]`` after RoPE (local heads under TP);
                 ``[t, heads, head_dim]`` for THD packing.
-            key, value: ``[sk, b, kv_heads, head_dim]`` (``[t, kv_heads, head_dim]``).
+            key, value: ``[sk, b, kv_heads, head_dim]`` (``[t, kv_heads, head_dim]``);
+                the value's head size may differ (``v_head_dim`` of multi-latent attention).
             attention_mask: ignored with tree data (the tree defines visibility); else a
                 bool mask broadcastable to ``[b, 1, sq, sk]``, True = masked out.
             attn_mask_type: overrides the constructor's mask type for this call.
@@ -120,7 +127,7 @@ class BranchCoreAttention(MegatronModule):
                 ``PackedSeqParams``, or None.
 
         Returns:
-            ``[sq, b, heads * head_dim]`` (``[t, heads * head_dim]`` for THD).
+            ``[sq, b, heads * v_head_dim]`` (``[t, heads * v_head_dim]`` for THD).
 
         Raises:
             ValueError: an attention bias, a malformed mask or ``cu_seqlens``, or an

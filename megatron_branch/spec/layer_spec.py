@@ -28,8 +28,9 @@ def get_branch_layer_spec(
 
     The layer is ``get_gpt_layer_local_spec(**local_spec_kwargs)`` with two slots
     changed: ``self_attention.module`` becomes :class:`BranchSelfAttention` (RoPE at tree
-    depths; same parameters) and ``self_attention.submodules.core_attention`` becomes
-    :class:`BranchCoreAttention`. Parameter names and shapes equal the stock spec's, so
+    depths; same parameters) — :class:`BranchMLASelfAttention` with
+    ``multi_latent_attention=True`` — and ``self_attention.submodules.core_attention``
+    becomes :class:`BranchCoreAttention`. Parameter names and shapes equal the stock spec's, so
     checkpoints load unchanged in both directions. Never touches Transformer Engine.
 
     Args:
@@ -42,7 +43,8 @@ def get_branch_layer_spec(
             names parameters differently (e.g. ``linear_qkv.layer_norm_weight``).
         **local_spec_kwargs: forwarded to Megatron's ``get_gpt_layer_local_spec`` (or the TE
             spec function: ``normalization`` is then taken from the config)
-            (``normalization``, ``qk_layernorm``, ``num_experts``, ``moe_grouped_gemm``, ...).
+            (``normalization``, ``qk_layernorm``, ``num_experts``, ``moe_grouped_gemm``,
+            ``multi_latent_attention`` (with an ``MLATransformerConfig``), ...).
             With ``num_experts`` the MoE layers keep the naive batch's router statistics
             (:func:`megatron_branch.spec.moe.apply_branch_moe`); ``moe_token_dropping``
             (``"refuse"`` or ``"approximate"``) is passed to it.
@@ -51,15 +53,12 @@ def get_branch_layer_spec(
         The layer spec, for ``GPTModel(transformer_layer_spec=...)``.
 
     Raises:
-        ValueError: an unknown backend, ``multi_latent_attention=True`` (MLA has its
-            own attention module and is not supported), or ``use_te=True`` without an
-            importable Transformer Engine.
+        ValueError: an unknown backend, or ``use_te=True`` without an importable
+            Transformer Engine.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
     moe_token_dropping = local_spec_kwargs.pop("moe_token_dropping", "refuse")
-    if local_spec_kwargs.get("multi_latent_attention"):
-        raise ValueError("multi_latent_attention: MLA is not supported by the branch spec")
     if use_te is None:
         use_te = HAVE_TE
     if use_te:
