@@ -22,6 +22,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -44,6 +45,16 @@ from megatron.core.transformer.moe.moe_utils import (  # noqa: E402
     compute_routing_scores_for_aux_loss,
 )
 from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
+
+# --- Gated DeltaNet (megatron-core >= 0.19; megatron_branch.spec.gdn) --------------------------
+try:
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (  # noqa: E402
+        get_linear_attention_pattern,
+    )
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules  # noqa: E402
+    from megatron.core.ssm.gated_delta_net import common as gdn_common  # noqa: E402
+except ImportError:  # 0.16: no GatedDeltaNet
+    GatedDeltaNet = GatedDeltaNetSubmodules = gdn_common = get_linear_attention_pattern = None
 
 try:  # megatron-core >= 0.19: a metrics tracker object
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker as _metrics_tracker
@@ -70,6 +81,17 @@ def mla_unbuildable_reason() -> Optional[str]:
         major, minor = megatron_core_version()
         return (f"megatron-core {major}.{minor} cannot build MLASelfAttention without Transformer Engine "
                 "(its TE check receives a mock class); use megatron-core >= 0.19 or install Transformer Engine")
+    return None
+
+
+def gdn_unavailable_reason() -> Optional[str]:
+    """Why megatron-core's ``GatedDeltaNet`` cannot be built here, or None."""
+    major, minor = megatron_core_version()
+    if GatedDeltaNet is None:
+        return f"megatron-core {major}.{minor} has no GatedDeltaNet (it ships in megatron-core >= 0.19)"
+    if not getattr(gdn_common, "HAVE_FLA", False):
+        return ("megatron-core's GatedDeltaNet requires flash-linear-attention at construction "
+                "(pip install -e '.[hybrid]')")
     return None
 
 

@@ -42,6 +42,17 @@ Patched points (megatron-core 0.16.1, torch 2.13 CPU build):
   tensors, which ``torch.distributed.all_to_all_single`` rejects as split sizes. The shim
   converts host tensors too when numpy is asked for (what the GPU path returns).
 
+* ``ssm.gated_delta_net.common.l2norm`` (megatron-core >= 0.19, with flash-linear-attention
+  installed) — GatedDeltaNet normalises queries and keys with FLA's Triton ``l2norm``,
+  which has no CPU backend: replaced by the same formula in torch
+  (``x / sqrt(sum(x^2) + eps)`` in float32, eps 1e-6, FLA's defaults). The layer's other
+  FLA kernels (convolution, chunked delta rule) are not used on CPU:
+  ``TransformerConfig(deterministic_mode=True)`` selects Megatron's own torch kernels.
+* ``_GDNBase._prepare_input_for_gated_delta_rule`` / ``_apply_gated_norm`` /
+  ``_compute_g_and_beta`` are wrapped in ``torch.compile`` (Megatron's ``jit_fuser``) at
+  import; on CPU inductor compiles C++ for every new sequence length (8-12 s a call on
+  this machine): the eager functions under them run instead (same operations).
+
 Two scoped context managers add what else a caller needs: :func:`cuda_factories_on_cpu`
 (``device="cuda"`` factories and CUDA type checks in megatron-core's schedules and
 optimizers) and :func:`megatron_lm_on_cpu` (Megatron-LM's own training loop, each shim
@@ -232,7 +243,31 @@ def enable_cpu(seed: int = 1234) -> List[str]:
 
     token_dispatcher.maybe_move_tensor_to_cpu = _to_host
     _APPLIED.append("token_dispatcher.maybe_move_tensor_to_cpu: host split sizes as numpy")
+    _gdn_on_cpu()
     return list(_APPLIED)
+
+
+def _torch_l2norm(x: torch.Tensor, eps: float = 1e-6, output_dtype=None) -> torch.Tensor:
+    """FLA's ``l2norm`` in torch: ``x / sqrt(sum(x^2) + eps)`` over the last dim, in float32."""
+    xf = x.float()
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(output_dtype or x.dtype)
+
+
+def _gdn_on_cpu() -> None:
+    from megatron_branch._megatron import gdn_common  # megatron-core is imported only when the shims are applied
+
+    if gdn_common is None:  # megatron-core 0.16: no GatedDeltaNet
+        return
+    if getattr(gdn_common, "HAVE_FLA", False):
+        gdn_common.l2norm = _torch_l2norm
+        _APPLIED.append("gated_delta_net.common.l2norm->torch (FLA's Triton kernel has no CPU backend)")
+    base = gdn_common._GDNBase
+    for name in ("_prepare_input_for_gated_delta_rule", "_apply_gated_norm", "_compute_g_and_beta"):
+        fn = base.__dict__.get(name)
+        eager = getattr(fn, "_torchdynamo_orig_callable", None)
+        if eager is not None:
+            setattr(base, name, eager)
+            _APPLIED.append(f"_GDNBase.{name}: eager (torch.compile recompiles per length on CPU)")
 
 
 class _CudaFactoriesOnCpu(TorchFunctionMode):

@@ -1,4 +1,4 @@
-"""Hugging Face (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral) <-> Megatron GPTModel: config and weights.
+"""HF (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3) <-> Megatron GPTModel: config and weights.
 
 Our own code: Megatron-Bridge, the usual converter, needs Transformer Engine and CUDA.
 Weights are plain tensors keyed by name on both sides; Megatron names are the stock
@@ -14,7 +14,8 @@ returns). Layouts that differ:
   ``moe_grouped_gemm=False``), its ``linear_fc1`` again ``[gate; up]``. Routing: softmax
   over all experts then top-k (``moe_router_pre_softmax=True``) when the top-k weights are
   not renormalised (Qwen3-MoE ``norm_topk_prob=false``), softmax over the top-k logits
-  otherwise (equal to renormalising; Mixtral, ``norm_topk_prob=true``).
+  otherwise (equal to renormalising; Mixtral, ``norm_topk_prob=true``);
+* DeepSeek-V3's multi-latent attention (dense MLP layers only): :mod:`.deepseek`.
 """
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from megatron_branch.hf import deepseek
+
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-             "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+             "Qwen3MoeForCausalLM", "MixtralForCausalLM", deepseek.ARCH)
 MOE_ARCHS = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+MLA_ARCHS = (deepseek.ARCH,)  # multi-latent attention: MLATransformerConfig, attention mapped by .deepseek
 # HF names of an expert's (gate, up, down) projections and of the router, per architecture
 _EXPERT_NAMES = {"Qwen3MoeForCausalLM": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
                  "MixtralForCausalLM": ("block_sparse_moe.", ("w1", "w3", "w2"))}
@@ -38,7 +42,8 @@ LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_po
 def _arch(cfg: dict) -> str:
     archs = cfg.get("architectures") or []
     by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+               "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+               "deepseek_v3": deepseek.ARCH}
     arch = archs[0] if archs else by_type.get(cfg.get("model_type"), "")
     if arch not in SUPPORTED:
         raise ValueError(f"config.json: architecture {arch or cfg.get('model_type')!r} is not supported "
@@ -46,12 +51,17 @@ def _arch(cfg: dict) -> str:
     return arch
 
 
-def _rope(cfg: dict) -> Tuple[float, dict]:
+def _rope_params(cfg: dict) -> Tuple[float, dict]:
+    """``(rope_theta, HF RoPE parameters)``: ``rope_parameters`` updated by ``rope_scaling``."""
     params = dict(cfg.get("rope_parameters") or {})
     scaling = cfg.get("rope_scaling") or {}
     if scaling:
         params.update(scaling)
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0))), params
+
+
+def _rope(cfg: dict) -> Tuple[float, dict]:
+    theta, params = _rope_params(cfg)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind in (None, "default"):
         return theta, {}
@@ -87,6 +97,8 @@ def _check_fields(cfg: dict, arch: str) -> None:
     heads, groups = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     if heads % groups:
         raise ValueError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {groups}")
+    if arch in MLA_ARCHS:
+        deepseek.check_config(cfg)
 
 
 def megatron_args_from_hf(cfg: dict) -> Tuple[dict, dict]:
@@ -104,7 +116,9 @@ def megatron_args_from_hf(cfg: dict) -> Tuple[dict, dict]:
     if window is not None and cfg.get("use_sliding_window", arch in ("MistralForCausalLM", "MixtralForCausalLM")):
         raise ValueError(f"config.json: sliding_window={window} is not supported by tree attention")
     heads = cfg["num_attention_heads"]
-    theta, rope = _rope(cfg)
+    theta, params = _rope_params(cfg)
+    # GPTModel's own RoPE; multi-latent attention builds its RoPE (and YaRN) from config fields
+    rope = _rope(cfg)[1] if arch not in MLA_ARCHS else {}
     config = dict(
         num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"], num_attention_heads=heads,
         num_query_groups=cfg.get("num_key_value_heads") or heads, ffn_hidden_size=cfg["intermediate_size"],
@@ -116,6 +130,10 @@ def megatron_args_from_hf(cfg: dict) -> Tuple[dict, dict]:
     )
     if arch in MOE_ARCHS:
         config.update(_moe_args(cfg, arch))
+    if arch in MLA_ARCHS:  # MLATransformerConfig: head sizes and RoPE are its own fields
+        for key in ("num_query_groups", "kv_channels", "add_qkv_bias"):
+            config.pop(key)
+        config.update(deepseek.mla_args(cfg, theta, params))
     model = dict(
         vocab_size=cfg["vocab_size"], max_sequence_length=cfg.get("max_position_embeddings", 4096),
         share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)),
@@ -126,6 +144,8 @@ def megatron_args_from_hf(cfg: dict) -> Tuple[dict, dict]:
 
 def num_experts(cfg: dict) -> int:
     """Routed experts of a MoE config (0 for a dense one)."""
+    if _arch(cfg) not in MOE_ARCHS:  # e.g. DeepSeek-V3's n_routed_experts, whose MoE is refused
+        return 0
     return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
 
 
@@ -197,6 +217,38 @@ def _taker(todo: Dict[str, Tensor], what: str):
     return take
 
 
+def _attention_to_megatron(take, todo: Dict[str, Tensor], cfg: dict, hf: str, mg: str) -> Dict[str, Tensor]:
+    """One layer's (grouped-query) attention: HF ``{hf}`` (``...self_attn.``) -> Megatron ``{mg}``."""
+    heads, groups, hd = _dims(cfg)
+    hidden = cfg["hidden_size"]
+    out = {mg + "linear_qkv.weight": _qkv_to_megatron(
+        take(hf + "q_proj.weight", heads * hd, hidden), take(hf + "k_proj.weight", groups * hd, hidden),
+        take(hf + "v_proj.weight", groups * hd, hidden), cfg)}
+    if hf + "q_proj.bias" in todo:
+        out[mg + "linear_qkv.bias"] = _qkv_to_megatron(
+            take(hf + "q_proj.bias", heads * hd), take(hf + "k_proj.bias", groups * hd),
+            take(hf + "v_proj.bias", groups * hd), cfg)
+    if hf + "q_norm.weight" in todo:
+        out[mg + "q_layernorm.weight"] = take(hf + "q_norm.weight", hd)
+        out[mg + "k_layernorm.weight"] = take(hf + "k_norm.weight", hd)
+    out[mg + "linear_proj.weight"] = take(hf + "o_proj.weight", hidden, heads * hd)
+    return out
+
+
+def _attention_from_megatron(take, todo: Dict[str, Tensor], cfg: dict, mg: str, hf: str) -> Dict[str, Tensor]:
+    """Inverse of :func:`_attention_to_megatron`."""
+    q, k, v = _qkv_from_megatron(take(mg + "linear_qkv.weight"), cfg)
+    out = {hf + "q_proj.weight": q, hf + "k_proj.weight": k, hf + "v_proj.weight": v}
+    if mg + "linear_qkv.bias" in todo:
+        q, k, v = _qkv_from_megatron(take(mg + "linear_qkv.bias"), cfg)
+        out.update({hf + "q_proj.bias": q, hf + "k_proj.bias": k, hf + "v_proj.bias": v})
+    if mg + "q_layernorm.weight" in todo:
+        out[hf + "q_norm.weight"] = take(mg + "q_layernorm.weight")
+        out[hf + "k_norm.weight"] = take(mg + "k_layernorm.weight")
+    out[hf + "o_proj.weight"] = take(mg + "linear_proj.weight")
+    return out
+
+
 def hf_to_megatron(state: Dict[str, Tensor], cfg: dict) -> Dict[str, Tensor]:
     """HF ``model.*`` / ``lm_head`` tensors -> stock Megatron names (copies, same dtype).
 
@@ -216,17 +268,10 @@ def hf_to_megatron(state: Dict[str, Tensor], cfg: dict) -> Dict[str, Tensor]:
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
         attn = hf + "self_attn."
         out[mg + "input_layernorm.weight"] = take(hf + "input_layernorm.weight", hidden)
-        out[mg + "self_attention.linear_qkv.weight"] = _qkv_to_megatron(
-            take(attn + "q_proj.weight", heads * hd, hidden), take(attn + "k_proj.weight", groups * hd, hidden),
-            take(attn + "v_proj.weight", groups * hd, hidden), cfg)
-        if attn + "q_proj.bias" in todo:
-            out[mg + "self_attention.linear_qkv.bias"] = _qkv_to_megatron(
-                take(attn + "q_proj.bias", heads * hd), take(attn + "k_proj.bias", groups * hd),
-                take(attn + "v_proj.bias", groups * hd), cfg)
-        if attn + "q_norm.weight" in todo:
-            out[mg + "self_attention.q_layernorm.weight"] = take(attn + "q_norm.weight", hd)
-            out[mg + "self_attention.k_layernorm.weight"] = take(attn + "k_norm.weight", hd)
-        out[mg + "self_attention.linear_proj.weight"] = take(attn + "o_proj.weight", hidden, heads * hd)
+        if arch in MLA_ARCHS:
+            out.update(deepseek.attention_to_megatron(take, cfg, attn, mg + "self_attention."))
+        else:
+            out.update(_attention_to_megatron(take, todo, cfg, attn, mg + "self_attention."))
         out[mg + "pre_mlp_layernorm.weight"] = take(hf + "post_attention_layernorm.weight", hidden)
         if arch in MOE_ARCHS:
             block, (gate, up, down) = _EXPERT_NAMES[arch]
@@ -264,15 +309,10 @@ def megatron_to_hf(state: Dict[str, Tensor], cfg: dict) -> Dict[str, Tensor]:
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
         attn = hf + "self_attn."
         out[hf + "input_layernorm.weight"] = take(mg + "input_layernorm.weight")
-        q, k, v = _qkv_from_megatron(take(mg + "self_attention.linear_qkv.weight"), cfg)
-        out.update({attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v})
-        if mg + "self_attention.linear_qkv.bias" in todo:
-            q, k, v = _qkv_from_megatron(take(mg + "self_attention.linear_qkv.bias"), cfg)
-            out.update({attn + "q_proj.bias": q, attn + "k_proj.bias": k, attn + "v_proj.bias": v})
-        if mg + "self_attention.q_layernorm.weight" in todo:
-            out[attn + "q_norm.weight"] = take(mg + "self_attention.q_layernorm.weight")
-            out[attn + "k_norm.weight"] = take(mg + "self_attention.k_layernorm.weight")
-        out[attn + "o_proj.weight"] = take(mg + "self_attention.linear_proj.weight")
+        if arch in MLA_ARCHS:
+            out.update(deepseek.attention_from_megatron(take, cfg, mg + "self_attention.", attn))
+        else:
+            out.update(_attention_from_megatron(take, todo, cfg, mg + "self_attention.", attn))
         out[hf + "post_attention_layernorm.weight"] = take(mg + "pre_mlp_layernorm.weight")
         if arch in MOE_ARCHS:
             block, (gate_name, up_name, down_name) = _EXPERT_NAMES[arch]

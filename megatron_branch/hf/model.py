@@ -17,17 +17,20 @@ from megatron_branch.full_state import full_state, load_full_state
 from megatron_branch.hf.io import read_config, read_weights
 from megatron_branch.hf.mapping import hf_to_megatron, megatron_args_from_hf, megatron_to_hf, num_experts
 from megatron_branch.layout import ParallelLayout
-from megatron_branch.spec.builders import build_gpt, llama_config
+from megatron_branch.spec.builders import build_gpt, llama_config, mla_config
 
 
 def build_from_hf_config(hf_cfg: dict, params_dtype: torch.dtype = torch.float32, spec_kwargs: Optional[dict] = None,
                          **config_overrides):
-    """``(GPTModel, TransformerConfig)`` with the branch spec for a HF config dict (random weights)."""
+    """``(GPTModel, TransformerConfig)`` with the branch spec for a HF config dict (random weights);
+    an ``MLATransformerConfig`` for multi-latent attention (DeepSeek-V3)."""
     config_kwargs, model_kwargs = megatron_args_from_hf(hf_cfg)
     config_kwargs.update(config_overrides)
     if num_experts(hf_cfg):  # Megatron's MoE layer with sequential experts, branch statistics
         spec_kwargs = {"num_experts": num_experts(hf_cfg), "moe_grouped_gemm": False, **(spec_kwargs or {})}
-    config = llama_config(params_dtype=params_dtype, **config_kwargs)
+    # DeepSeek-V3: an MLATransformerConfig (multi-latent attention), otherwise a plain one
+    make_config = mla_config if config_kwargs.get("multi_latent_attention") else llama_config
+    config = make_config(params_dtype=params_dtype, **config_kwargs)
     layout = ParallelLayout.current()
     if layout.initialized:
         model_kwargs.setdefault("pre_process", layout.first_stage)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import copy
 from typing import Optional
 
-from megatron_branch._megatron import MLASelfAttention, ModuleSpec, SelfAttention
+from megatron_branch._megatron import GatedDeltaNet, MLASelfAttention, ModuleSpec, SelfAttention
 from megatron_branch.spec.core_attention import BACKENDS, BranchCoreAttention
+from megatron_branch.spec.gdn import BranchGatedDeltaNet
 from megatron_branch.spec.layers import map_layers
 from megatron_branch.spec.mla_attention import BranchMLASelfAttention
 from megatron_branch.spec.self_attention import BranchSelfAttention
@@ -28,12 +29,14 @@ def apply_branch_attention(
     patterns) or a ``ModuleSpec`` of a ``TransformerBlock``. In each layer,
     ``self_attention.module`` becomes :class:`BranchSelfAttention` (or, for Megatron's
     ``MLASelfAttention``, :class:`BranchMLASelfAttention`) and its ``core_attention``
-    :class:`BranchCoreAttention`; nothing else changes, so parameter names and shapes are
-    the original spec's.
+    :class:`BranchCoreAttention`; a Gated DeltaNet layer's ``GatedDeltaNet`` becomes
+    :class:`~megatron_branch.spec.gdn.BranchGatedDeltaNet` (its recurrence along the
+    tree); nothing else changes, so parameter names and shapes are the original spec's.
 
     Raises:
-        ValueError: a layer whose self-attention is neither Megatron's ``SelfAttention``
-            nor its ``MLASelfAttention`` (experimental attention variants).
+        ValueError: a layer whose sequence mixer is none of Megatron's ``SelfAttention``,
+            ``MLASelfAttention`` and ``GatedDeltaNet`` (other attention variants, their
+            subclasses).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
@@ -47,6 +50,11 @@ def _with_branch_attention(layer: ModuleSpec, core: ModuleSpec) -> ModuleSpec:
     # compares unequal once deep-copied).
     attn = layer.submodules.self_attention
     module = attn.module if isinstance(attn.module, type) else None
+    if GatedDeltaNet is not None and module is not None and issubclass(module, GatedDeltaNet):
+        if module not in (GatedDeltaNet, BranchGatedDeltaNet):  # e.g. a GDN variant with other gates
+            raise ValueError(f"self_attention: {module.__name__} is a variant of GatedDeltaNet the branch spec "
+                             "does not know")
+        return _with_module(layer, BranchGatedDeltaNet, attn.submodules)
     if module is MLASelfAttention or (module is not None and issubclass(module, BranchMLASelfAttention)):
         branch_module = BranchMLASelfAttention
     elif module is not None and issubclass(module, MLASelfAttention):
@@ -61,8 +69,14 @@ def _with_branch_attention(layer: ModuleSpec, core: ModuleSpec) -> ModuleSpec:
                          "the branch spec replaces only their core attention (attention variants are not supported)")
     attn_sub = copy.copy(attn.submodules)
     attn_sub.core_attention = core
+    return _with_module(layer, branch_module, attn_sub)
+
+
+def _with_module(layer: ModuleSpec, module: type, submodules) -> ModuleSpec:
+    """``layer`` with its sequence mixer's module and submodules replaced (copies on the path only)."""
+    attn = layer.submodules.self_attention
     new_attn = copy.copy(attn)
-    new_attn.module, new_attn.submodules, new_attn.params = branch_module, attn_sub, dict(attn.params)
+    new_attn.module, new_attn.submodules, new_attn.params = module, submodules, dict(attn.params)
     layer_sub = copy.copy(layer.submodules)
     layer_sub.self_attention = new_attn
     new_layer = copy.copy(layer)
@@ -71,14 +85,20 @@ def _with_branch_attention(layer: ModuleSpec, core: ModuleSpec) -> ModuleSpec:
 
 
 def is_branch_model(model) -> bool:
-    """True if ``model`` (possibly wrapped) contains tree attention layers."""
-    return any(isinstance(m, BranchCoreAttention) for m in model.modules())
+    """True if ``model`` (possibly wrapped) contains tree sequence mixers (attention or GDN)."""
+    return any(isinstance(m, (BranchCoreAttention, BranchGatedDeltaNet)) for m in model.modules())
 
 
 def check_tree_attention(model) -> None:
-    """Raise ``ValueError`` unless ``model`` (possibly wrapped) has tree attention layers."""
+    """Raise ``ValueError`` unless every sequence mixer of ``model`` (possibly wrapped) is a
+    tree one: a stock layer would run the packed tree as one sequence."""
     if not is_branch_model(model):
         raise ValueError(
             "model: not built with megatron_branch.get_branch_layer_spec (no tree attention "
             "layers); positions and visibility would be wrong"
         )
+    for name, m in model.named_modules():
+        stock_gdn = GatedDeltaNet is not None and isinstance(m, GatedDeltaNet) and not isinstance(m, BranchGatedDeltaNet)
+        if stock_gdn or type(m).__name__ in ("MambaMixer", "MambaLayer"):
+            raise ValueError(f"{name}: {type(m).__name__} is a stock recurrent layer; it would run the packed tree "
+                             "as one sequence (build the model with apply_branch_attention; Mamba is not supported)")

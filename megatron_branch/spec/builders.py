@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from megatron_branch._megatron import GPTModel, MLATransformerConfig, TransformerConfig, get_gpt_layer_local_spec
 from megatron_branch.cpu import cuda_factories_on_cpu
 from megatron_branch.spec import get_branch_layer_spec
+from megatron_branch.spec.layer_spec import get_branch_hybrid_block_spec
+from megatron_branch.spec.stock_hybrid import get_local_hybrid_block_spec
 from megatron_branch.spec.stock_mla import get_stock_mla_layer_spec
 
 
@@ -85,6 +87,32 @@ def mla_config(
     return MLATransformerConfig(**kwargs)
 
 
+def hybrid_config(
+    num_layers: int = 4,
+    hidden_size: int = 64,
+    num_attention_heads: int = 4,
+    num_query_groups: int = 2,
+    linear_attention_freq=2,
+    linear_conv_kernel_dim: int = 4,
+    linear_key_head_dim: int = 16,
+    linear_value_head_dim: int = 16,
+    linear_num_key_heads: int = 2,
+    linear_num_value_heads: int = 4,
+    **overrides,
+) -> TransformerConfig:
+    """A Qwen3-Next-style hybrid config: Gated DeltaNet layers with an attention layer every
+    ``linear_attention_freq``-th layer (or a per-layer list, 1 = GDN, 0 = attention), with
+    the CPU-safe settings of :func:`llama_config`. ``deterministic_mode`` is on: it selects
+    Megatron's torch GDN kernels (FLA's are CUDA/Triton)."""
+    overrides.setdefault("deterministic_mode", True)
+    return llama_config(
+        num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+        num_query_groups=num_query_groups, experimental_attention_variant="gated_delta_net",
+        linear_attention_freq=linear_attention_freq, linear_conv_kernel_dim=linear_conv_kernel_dim,
+        linear_key_head_dim=linear_key_head_dim, linear_value_head_dim=linear_value_head_dim,
+        linear_num_key_heads=linear_num_key_heads, linear_num_value_heads=linear_num_value_heads, **overrides)
+
+
 def build_gpt(
     config: TransformerConfig,
     vocab_size: int,
@@ -101,7 +129,8 @@ def build_gpt(
         config: e.g. from :func:`llama_config`.
         vocab_size: vocabulary size.
         branch: the branch spec (tree attention) if True, else Megatron's stock local spec
-            (for multi-latent attention :func:`~megatron_branch.spec.stock_mla.get_stock_mla_layer_spec`).
+            (for multi-latent attention :func:`~megatron_branch.spec.stock_mla.get_stock_mla_layer_spec`,
+            for hybrid GDN configs :func:`~megatron_branch.spec.stock_hybrid.get_local_hybrid_block_spec`).
         max_sequence_length: longest position.
         spec_kwargs: extra keywords for the layer spec (``backend``, ``chunk_size``, ...).
         seed: seeds the CPU generator before initialisation, for reproducible weights.
@@ -111,12 +140,18 @@ def build_gpt(
     spec_kwargs.setdefault("normalization", config.normalization)
     spec_kwargs.setdefault("qk_layernorm", config.qk_layernorm)
     mla = bool(getattr(config, "multi_latent_attention", False))
-    if branch:
+    hybrid = getattr(config, "experimental_attention_variant", None) == "gated_delta_net"
+    if branch and hybrid:
+        spec = get_branch_hybrid_block_spec(config, **spec_kwargs)
+    elif branch:
         spec = get_branch_layer_spec(multi_latent_attention=mla, **spec_kwargs)
     else:
         for key in ("backend", "chunk_size", "kernel"):
             spec_kwargs.pop(key, None)
-        spec = get_stock_mla_layer_spec(**spec_kwargs) if mla else get_gpt_layer_local_spec(**spec_kwargs)
+        if hybrid:
+            spec = get_local_hybrid_block_spec(config, **spec_kwargs)
+        else:
+            spec = get_stock_mla_layer_spec(**spec_kwargs) if mla else get_gpt_layer_local_spec(**spec_kwargs)
     if seed is not None:
         torch.manual_seed(seed)
     model_kwargs.setdefault("share_embeddings_and_output_weights", False)

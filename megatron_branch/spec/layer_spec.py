@@ -15,6 +15,7 @@ from megatron_branch._megatron import ModuleSpec, get_gpt_layer_local_spec, get_
 from megatron_branch.spec.attention import apply_branch_attention
 from megatron_branch.spec.core_attention import BACKENDS
 from megatron_branch.spec.moe import apply_branch_moe
+from megatron_branch.spec.stock_hybrid import get_local_hybrid_block_spec
 
 
 def get_branch_layer_spec(
@@ -75,3 +76,35 @@ def get_branch_layer_spec(
     spec = apply_branch_attention(base, backend=backend, chunk_size=chunk_size, kernel=kernel)
     spec = apply_branch_moe(spec, token_dropping=moe_token_dropping)
     return spec
+
+
+def get_branch_hybrid_block_spec(
+    config,
+    backend: str = "cascade",
+    chunk_size: Optional[int] = None,
+    kernel: Optional[str] = None,
+    **local_spec_kwargs,
+):
+    """Block spec of a hybrid Gated DeltaNet model (Qwen3-Next / Qwen3.5 layout) with the
+    branch pieces: Megatron's GDN/attention layer pattern
+    (:func:`~megatron_branch.spec.stock_hybrid.get_local_hybrid_block_spec`, from
+    ``config.linear_attention_freq``) with :func:`apply_branch_attention` applied, which
+    puts tree attention in the attention layers and the tree recurrence in the GDN layers.
+
+    Args:
+        config: a ``TransformerConfig`` with ``experimental_attention_variant="gated_delta_net"``
+            (and ``deterministic_mode=True`` on CPU: Megatron's torch kernels).
+        backend, chunk_size, kernel: as for :func:`get_branch_layer_spec`.
+        **local_spec_kwargs: forwarded to Megatron's ``get_gpt_layer_local_spec``.
+
+    Returns:
+        A ``TransformerBlockSubmodules`` for ``GPTModel(transformer_layer_spec=...)``.
+
+    Raises:
+        ValueError: an unknown backend, or a megatron-core without GatedDeltaNet (0.16)
+            or without flash-linear-attention installed.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
+    base = get_local_hybrid_block_spec(config, **local_spec_kwargs)
+    return apply_branch_attention(base, backend=backend, chunk_size=chunk_size, kernel=kernel)

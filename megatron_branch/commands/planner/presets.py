@@ -4,20 +4,32 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The dimensions memory and FLOPs depend on (Llama/Qwen-style decoder, dense or MoE).
+    """The dimensions memory and FLOPs depend on (Llama/Qwen/DeepSeek-style decoder, dense or MoE).
 
     Attributes:
         ffn_hidden_size: the SwiGLU width one token runs through: the dense MLP's, or for
-            a Mixture of Experts ``experts_per_token x moe_ffn_hidden_size`` (what sets a
-            token's activations and FLOPs).
+            a Mixture of Experts ``experts_per_token x moe_ffn_hidden_size`` plus
+            ``shared_expert_ffn_hidden_size`` (what sets a token's activations and FLOPs).
         num_experts: routed experts per layer (0: dense).
         experts_per_token: top-k.
         moe_ffn_hidden_size: one expert's SwiGLU width.
+        shared_expert_ffn_hidden_size: the always-active shared experts' SwiGLU width
+            (DeepSeek: ``n_shared_experts x moe_intermediate_size``; split over TP like a dense MLP).
+        first_dense_layers: MoE models whose first layers have a dense MLP instead
+            (DeepSeek's ``first_k_dense_replace``), of width ``ffn_hidden_size``, so that a
+            token's activations are the same in every layer (DeepSeek-V3: 18432 = (8 + 1) x 2048).
+        kv_lora_rank: multi-latent attention (DeepSeek-V2/V3) when > 0: the K/V latent width.
+            ``num_kv_heads`` must then equal ``num_attention_heads``: branch replay caches
+            each head's uncompressed K and V, not the latent.
+        q_lora_rank: MLA's query latent width (0: a full-rank query projection).
+        qk_head_dim, qk_pos_emb_head_dim, v_head_dim: MLA's per-head widths (Megatron's
+            names): the query/key head is ``qk_head_dim + qk_pos_emb_head_dim`` wide (the RoPE
+            part of the key is one vector shared by all heads), the value head ``v_head_dim``.
     """
 
     name: str
@@ -32,6 +44,13 @@ class ModelSpec:
     num_experts: int = 0
     experts_per_token: int = 0
     moe_ffn_hidden_size: int = 0
+    shared_expert_ffn_hidden_size: int = 0
+    first_dense_layers: int = 0
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_head_dim: int = 0
+    qk_pos_emb_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size",
@@ -47,9 +66,24 @@ class ModelSpec:
         if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
             raise ValueError(f"{self.name}: experts_per_token {self.experts_per_token} must be in "
                              f"[1, num_experts {self.num_experts}]")
-        if self.num_experts and self.ffn_hidden_size != self.experts_per_token * self.moe_ffn_hidden_size:
-            raise ValueError(f"{self.name}: ffn_hidden_size of a MoE is experts_per_token x moe_ffn_hidden_size "
-                             f"({self.experts_per_token * self.moe_ffn_hidden_size}), got {self.ffn_hidden_size}")
+        active = self.experts_per_token * self.moe_ffn_hidden_size + self.shared_expert_ffn_hidden_size
+        if self.num_experts and self.ffn_hidden_size != active:
+            shared = " + shared_expert_ffn_hidden_size" if self.shared_expert_ffn_hidden_size else ""
+            raise ValueError(f"{self.name}: ffn_hidden_size of a MoE is experts_per_token x moe_ffn_hidden_size"
+                             f"{shared} ({active}), got {self.ffn_hidden_size}")
+        if not self.num_experts and (self.shared_expert_ffn_hidden_size or self.first_dense_layers):
+            raise ValueError(f"{self.name}: shared_expert_ffn_hidden_size and first_dense_layers need num_experts")
+        if not 0 <= self.first_dense_layers < self.num_layers:
+            raise ValueError(f"{self.name}: first_dense_layers {self.first_dense_layers} must be in "
+                             f"[0, num_layers {self.num_layers})")
+        if self.is_mla:
+            for name in ("qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+                if getattr(self, name) < 1:
+                    raise ValueError(f"{self.name}: multi-latent attention (kv_lora_rank > 0) needs {name} >= 1")
+            if self.num_kv_heads != self.num_attention_heads:
+                raise ValueError(f"{self.name}: multi-latent attention caches one K/V head per query head: "
+                                 f"num_kv_heads {self.num_kv_heads} must equal num_attention_heads "
+                                 f"{self.num_attention_heads}")
 
     @property
     def kv_channels(self) -> int:
@@ -59,9 +93,30 @@ class ModelSpec:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def key_channels(self) -> int:
+        """Width of one query/key head (MLA: ``qk_head_dim + qk_pos_emb_head_dim``)."""
+        return self.qk_head_dim + self.qk_pos_emb_head_dim if self.is_mla else self.kv_channels
+
+    @property
+    def value_channels(self) -> int:
+        """Width of one value head (MLA: ``v_head_dim``)."""
+        return self.v_head_dim if self.is_mla else self.kv_channels
+
     def _attention_params(self) -> int:
         h, d = self.hidden_size, self.kv_channels
-        return h * self.num_attention_heads * d + 2 * h * self.num_kv_heads * d + self.num_attention_heads * d * h
+        if not self.is_mla:
+            return h * self.num_attention_heads * d + 2 * h * self.num_kv_heads * d + self.num_attention_heads * d * h
+        heads, q_rank, kv_rank = self.num_attention_heads, self.q_lora_rank, self.kv_lora_rank
+        # q: [q_a_proj, q_a_layernorm, q_b_proj] (or one q_proj); kv_a_proj_with_mqa (latent and the
+        # shared RoPE key), kv_a_layernorm, kv_b_proj (per head: key without RoPE, value); o_proj
+        q = h * q_rank + q_rank + q_rank * heads * self.key_channels if q_rank else h * heads * self.key_channels
+        kv = h * (kv_rank + self.qk_pos_emb_head_dim) + kv_rank + kv_rank * heads * (self.qk_head_dim + self.v_head_dim)
+        return q + kv + heads * self.v_head_dim * h
 
     def active_params_per_layer(self) -> int:
         """Parameters one token runs through (a MoE's router and its top-k experts)."""
@@ -77,22 +132,39 @@ class ModelSpec:
         """Everything but the routed experts (sharded over tensor parallelism)."""
         if not self.is_moe:
             return self.params_per_layer()
-        return self.active_params_per_layer() - 3 * self.hidden_size * self.ffn_hidden_size
+        routed = self.ffn_hidden_size - self.shared_expert_ffn_hidden_size
+        return self.active_params_per_layer() - 3 * self.hidden_size * routed
 
     def params_per_layer(self) -> int:
+        """One layer's parameters (of a MoE: a MoE layer, not one of the ``first_dense_layers``)."""
         if self.is_moe:
             return self.dense_params_per_layer() + self.expert_params_per_layer()
         return self.active_params_per_layer()
+
+    def first_dense_layer_params(self) -> int:
+        """One of the ``first_dense_layers``: attention, a dense MLP of ``ffn_hidden_size``, norms."""
+        h = self.hidden_size
+        return self._attention_params() + 3 * h * self.ffn_hidden_size + 2 * h
+
+    def layer_params(self, layer: int) -> Tuple[int, int]:
+        """``(dense, routed experts)`` parameters of global layer ``layer``."""
+        if layer < self.first_dense_layers:
+            return self.first_dense_layer_params(), 0
+        return self.dense_params_per_layer(), self.expert_params_per_layer()
 
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
 
     def num_params(self) -> int:
-        return self.num_layers * self.params_per_layer() + self.embedding_params() + self.hidden_size
+        layers = self.num_layers - self.first_dense_layers
+        return (layers * self.params_per_layer() + self.first_dense_layers * self.first_dense_layer_params()
+                + self.embedding_params() + self.hidden_size)
 
     def active_params(self) -> int:
         """Parameters per token (equals :meth:`num_params` for a dense model)."""
-        return self.num_layers * self.active_params_per_layer() + self.embedding_params() + self.hidden_size
+        layers = self.num_layers - self.first_dense_layers
+        return (layers * self.active_params_per_layer() + self.first_dense_layers * self.first_dense_layer_params()
+                + self.embedding_params() + self.hidden_size)
 
 
 @dataclass(frozen=True)
@@ -116,6 +188,14 @@ MODELS: Dict[str, ModelSpec] = {
         # Qwen3-30B-A3B: 128 experts of width 768, top-8 (30.5B total, 3.3B active)
         ModelSpec("Qwen3-30B-A3B", 48, 2048, 32, 4, 8 * 768, 151936, head_dim=128, num_experts=128,
                   experts_per_token=8, moe_ffn_hidden_size=768),
+        # DeepSeek-V3: multi-latent attention (128 heads, query/key heads 128 + 64 RoPE, value
+        # heads 128, latents q 1536 / kv 512); 3 dense layers of 18432 then 58 MoE layers of 256
+        # experts of 2048, top-8, plus one shared expert (671B total, 37B active; the
+        # multi-token-prediction module of the released checkpoint is not counted)
+        ModelSpec("DeepSeek-V3", 61, 7168, 128, 128, 8 * 2048 + 2048, 129280, num_experts=256,
+                  experts_per_token=8, moe_ffn_hidden_size=2048, shared_expert_ffn_hidden_size=2048,
+                  first_dense_layers=3, kv_lora_rank=512, q_lora_rank=1536, qk_head_dim=128,
+                  qk_pos_emb_head_dim=64, v_head_dim=128),
     )
 }
 
@@ -130,10 +210,11 @@ GPUS: Dict[str, GPUSpec] = {
 
 
 def model_from_hf_config(path: str) -> ModelSpec:
-    """A :class:`ModelSpec` from a Hugging Face ``config.json``.
+    """A :class:`ModelSpec` from a Hugging Face ``config.json`` (Llama/Qwen-style, Qwen3-MoE,
+    Mixtral, DeepSeek-V3-style multi-latent attention and MoE).
 
     Raises:
-        ValueError: a required field is missing.
+        ValueError: a required field is missing, or a layout the planner cannot represent.
     """
     with open(path) as f:
         cfg = json.load(f)
@@ -141,18 +222,36 @@ def model_from_hf_config(path: str) -> ModelSpec:
     missing = [k for k in need if k not in cfg]
     if missing:
         raise ValueError(f"{path}: config.json lacks {', '.join(missing)}")
-    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    layers = cfg["num_hidden_layers"]
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
+    first_dense = int(cfg.get("first_k_dense_replace") or 0) if "n_routed_experts" in cfg else 0
     moe = {}
-    if experts:  # Qwen3-MoE (moe_intermediate_size) or Mixtral (intermediate_size per expert)
+    if experts and first_dense < layers:  # Qwen3-MoE / DeepSeek (moe_intermediate_size), Mixtral (intermediate_size)
         width = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
         topk = cfg["num_experts_per_tok"]
-        moe = dict(num_experts=experts, experts_per_token=topk, moe_ffn_hidden_size=width)
+        shared = int(cfg.get("n_shared_experts") or 0) * width
+        if int(cfg.get("moe_layer_freq", 1)) != 1:
+            raise ValueError(f"{path}: moe_layer_freq {cfg['moe_layer_freq']} is not supported (every layer after "
+                             "first_k_dense_replace must be MoE)")
+        active = topk * width + shared
+        if first_dense and cfg["intermediate_size"] != active:
+            raise ValueError(f"{path}: the first_k_dense_replace={first_dense} dense layers' intermediate_size "
+                             f"{cfg['intermediate_size']} differs from a MoE layer's active width {active} "
+                             "(num_experts_per_tok and shared experts x moe_intermediate_size); the planner needs "
+                             "them equal")
+        moe = dict(num_experts=experts, experts_per_token=topk, moe_ffn_hidden_size=width,
+                   shared_expert_ffn_hidden_size=shared, first_dense_layers=first_dense)
+    mla = {}
+    if cfg.get("kv_lora_rank"):  # DeepSeek-V2/V3: HF's head_dim is then the RoPE part only
+        mla = dict(kv_lora_rank=cfg["kv_lora_rank"], q_lora_rank=cfg.get("q_lora_rank") or 0,
+                   qk_head_dim=cfg["qk_nope_head_dim"], qk_pos_emb_head_dim=cfg["qk_rope_head_dim"],
+                   v_head_dim=cfg["v_head_dim"])
     return ModelSpec(
         name=cfg.get("_name_or_path") or cfg.get("model_type", "hf-model"),
-        num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
+        num_layers=layers, hidden_size=cfg["hidden_size"],
         num_attention_heads=cfg["num_attention_heads"],
         num_kv_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
-        ffn_hidden_size=moe["experts_per_token"] * moe["moe_ffn_hidden_size"] if moe else cfg["intermediate_size"],
-        vocab_size=cfg["vocab_size"], head_dim=cfg.get("head_dim"),
-        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)), **moe,
+        ffn_hidden_size=active if moe else cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
+        head_dim=None if mla else cfg.get("head_dim"),
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)), **moe, **mla,
     )

@@ -1,0 +1,156 @@
+"""Gated DeltaNet (Qwen3-Next / Qwen3.5 hybrid) under branch replay vs the naive computation.
+
+The naive truth is Megatron's ``GatedDeltaNet`` on local modules
+(:mod:`megatron_branch.spec.stock_hybrid`), each rollout run alone; the branch model has
+the same weights with the tree recurrence (:mod:`megatron_branch.spec.gdn`).
+
+Two tolerances, because Megatron's torch kernel works in float32 chunks of 64 steps:
+
+* float64 models with a step-by-step kernel (:mod:`megatron_branch.reference.recurrent`)
+  in both — the algorithm: everything within 1e-6 (the scoring's float32 rounding);
+* float32 with Megatron's chunk kernel in both — log-probs within 1e-5, every gradient
+  within 1e-5 relative of the stock one; for the two decay parameters (``A_log``,
+  ``dt_bias``, whose gradients are sums with cancellation, so float32 chunking moves
+  them by ~1e-5 in the stock model itself), the branch gradient's distance to the exact
+  (float64, step-by-step) gradient is at most twice the stock float32 gradient's.
+"""
+
+import pytest
+import torch
+from conftest import VOCAB
+from test_exactness import TREES, grpo_loss_fn
+
+import megatron_branch as mb
+from megatron_branch._megatron import gdn_unavailable_reason
+from megatron_branch.reference.agreement import check_against_naive, compare_grads, grads
+from megatron_branch.reference.naive import batched_rollout_logprobs, naive_rollout_logprobs
+from megatron_branch.reference.recurrent import recurrent_gated_delta_rule
+from megatron_branch.spec import gdn as gdn_module
+from megatron_branch.spec.builders import build_gpt, hybrid_config
+
+pytestmark = pytest.mark.skipif(gdn_unavailable_reason() is not None, reason=str(gdn_unavailable_reason()))
+
+TOL = 1e-5
+DECAY = ("A_log", "dt_bias")
+LAYOUTS = {"hybrid": dict(num_layers=4, linear_attention_freq=2),  # GDN, attention, GDN, attention
+           "pure_gdn": dict(num_layers=2, linear_attention_freq=[1, 1])}
+
+
+def gdn_pair(layout="hybrid", seed=0, **cfg):
+    config = hybrid_config(**LAYOUTS[layout], **cfg)
+    branch = build_gpt(config, VOCAB, seed=seed, spec_kwargs={"kernel": "math"})
+    stock = build_gpt(config, VOCAB, branch=False)
+    stock.load_state_dict(branch.state_dict())
+    return branch, stock
+
+
+def gdn_layers(model):
+    return [layer.self_attention for layer in model.decoder.layers if hasattr(layer.self_attention, "gated_delta_rule")]
+
+
+def use_kernel(model, kernel):
+    for layer in gdn_layers(model):
+        layer.gated_delta_rule = kernel
+
+
+@pytest.mark.parametrize("tree_name", ["multi_level", "forest_3_prompts", "identical_and_prefix",
+                                       "one_prompt_8_rollouts"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_tree_recurrence_is_exact_in_float64(tree_name, layout):
+    batch = TREES[tree_name]()
+    branch, stock = (m.double() for m in gdn_pair(layout))
+    for m in (branch, stock):
+        use_kernel(m, recurrent_gated_delta_rule)
+    report = check_against_naive(branch, stock, batch.sequences, grpo_loss_fn(batch))
+    assert report.max_abs_logprob_diff < 1e-6
+    assert report.max_rel_grad_diff < 1e-6, (report.worst_param, report.max_rel_grad_diff)
+    assert len(report.grad_rel_diffs) == len(list(stock.parameters()))
+
+
+def float64_truth(stock, batch, loss_fn):
+    """Every parameter's gradient from a float64 copy of the stock model with the
+    step-by-step kernel: the exact result both float32 runs are measured against."""
+    truth = build_gpt(stock.config, VOCAB, branch=False)
+    truth.load_state_dict(stock.state_dict())
+    truth = truth.double()
+    use_kernel(truth, recurrent_gated_delta_rule)
+    truth.zero_grad(set_to_none=True)
+    loss_fn(naive_rollout_logprobs(truth, batch.sequences)).backward()
+    return grads(truth)
+
+
+@pytest.mark.parametrize("tree_name", ["multi_level", "forest_3_prompts", "identical_and_prefix"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_tree_recurrence_matches_megatrons_float32_kernel(tree_name, layout):
+    batch = TREES[tree_name]()
+    branch, stock = gdn_pair(layout, seed=1)
+    loss_fn = grpo_loss_fn(batch)
+    report = check_against_naive(branch, stock, batch.sequences, loss_fn)
+    assert report.max_abs_logprob_diff < TOL
+    assert report.loss_rel_diff < TOL
+    truth = float64_truth(stock, batch, loss_fn)
+    ours, theirs = compare_grads(grads(branch), truth), compare_grads(grads(stock), truth)
+    for name, diff in report.grad_rel_diffs.items():
+        if name.endswith(DECAY):
+            # no further from the exact gradient than twice the stock float32 error
+            assert ours[name] < max(TOL, 2 * theirs[name]), (name, ours[name], theirs[name])
+        else:
+            assert diff < TOL, (name, diff)
+
+
+def test_branch_spec_without_a_tree_is_the_stock_layer():
+    batch = TREES["forest_3_prompts"]()
+    branch, stock = gdn_pair()
+    with torch.no_grad():
+        got = batched_rollout_logprobs(branch, batch.sequences, fused_causal=True)
+        ref = naive_rollout_logprobs(stock, batch.sequences)
+    assert (got - ref).abs().max() < TOL
+
+
+def test_parameters_and_names_are_the_stock_layers():
+    branch, stock = gdn_pair()
+    assert {n: p.shape for n, p in branch.named_parameters()} == {n: p.shape for n, p in stock.named_parameters()}
+    assert all(isinstance(m, gdn_module.BranchGatedDeltaNet) for m in gdn_layers(branch))
+
+
+@pytest.mark.parametrize("wrong", ["zero_state", "no_conv_window"])
+def test_guard_a_branch_without_its_parents_state_differs(wrong, monkeypatch):
+    # Guard against a test that cannot fail: branches that start from a zero recurrent
+    # state, or whose convolution sees zeros instead of the parent's last inputs.
+    batch = TREES["one_prompt_8_rollouts"]()
+    branch, stock = gdn_pair("pure_gdn", seed=2, init_method_std=0.1)  # larger weights: visible effects
+    build = gdn_module.TreeRecurrencePlan.build
+
+    def broken(*args, **kwargs):
+        plan = build(*args, **kwargs)
+        if wrong == "zero_state":
+            for level in plan.levels:
+                level.parents[:] = [-1] * len(level.parents)
+        else:
+            starts = {s for lv in plan.levels for s in lv.index[:, 0].tolist()}
+            for t in starts:
+                plan.ancestors[t] = plan.num_tokens
+        return plan
+
+    monkeypatch.setattr(gdn_module.TreeRecurrencePlan, "build", broken)
+    with torch.no_grad():
+        got = mb.rollout_logprobs(branch, mb.BranchTree.from_sequences(batch.sequences))
+        ref = naive_rollout_logprobs(stock, batch.sequences)
+    assert (got - ref).abs().max() > 100 * TOL
+
+
+def test_streaming_replay_is_refused_by_name():
+    batch = TREES["multi_level"]()
+    branch, _ = gdn_pair()
+    tree = mb.BranchTree.from_sequences(batch.sequences)
+    with pytest.raises(ValueError, match=r"max_chunk_tokens: layer \d+ \(GatedDeltaNet\)"):
+        mb.replay_step(branch, tree, lambda lp, ids: lp.sum(), max_chunk_tokens=12)
+
+
+def test_a_stock_gdn_layer_in_a_tree_model_is_refused():
+    # apply_branch_attention on attention layers only would leave a stock GDN layer that
+    # runs the packed tree as one sequence: the model check names it.
+    branch, stock = gdn_pair()
+    branch.decoder.layers[0].self_attention = stock.decoder.layers[0].self_attention
+    with pytest.raises(ValueError, match="decoder.layers.0.self_attention: GatedDeltaNet is a stock recurrent layer"):
+        mb.rollout_logprobs(branch, mb.BranchTree.from_sequences([[1, 2, 3], [1, 2, 4]]))
