@@ -4,6 +4,7 @@ Megatron's API moves between releases (GPTModel -> HybridModel, ModuleSpec -> ty
 builders); keeping the imports here confines a port to this file. Pinned: 0.16.x.
 """
 
+import warnings as _warnings
 from dataclasses import dataclass
 from typing import Dict, Optional
 
@@ -48,11 +49,14 @@ from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
 
 # --- Gated DeltaNet (megatron-core >= 0.19; megatron_branch.spec.gdn) --------------------------
 try:
-    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (  # noqa: E402
-        get_linear_attention_pattern,
-    )
-    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules  # noqa: E402
-    from megatron.core.ssm.gated_delta_net import common as gdn_common  # noqa: E402
+    with _warnings.catch_warnings():
+        # flash-linear-attention warns on import wherever Triton has no GPU; on every CPU run
+        _warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
+        from megatron.core.models.gpt.experimental_attention_variant_module_specs import (  # noqa: E402
+            get_linear_attention_pattern,
+        )
+        from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules  # noqa: E402
+        from megatron.core.ssm.gated_delta_net import common as gdn_common  # noqa: E402
 except ImportError:  # 0.16: no GatedDeltaNet
     GatedDeltaNet = GatedDeltaNetSubmodules = gdn_common = get_linear_attention_pattern = None
 

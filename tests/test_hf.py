@@ -353,6 +353,9 @@ def test_deepseek_v3_loads_as_mla_config_and_rope_pairing_matters(tmp_path):
     json.dump(dict(json.load(open(cfg_path)), rope_interleave=True), open(cfg_path, "w"))
     import_hf(hf_dir, str(tmp_path / "wrong"))
     wrong, _ = load_megatron(str(tmp_path / "wrong"))
+    # exporting with a config of the other pairing would permute the RoPE rows wrongly: refused
+    with pytest.raises(ValueError, match="describes another model .*rope_interleave True vs False"):
+        export_hf(str(tmp_path / "mg"), str(tmp_path / "back"), hf_config_dir=hf_dir)
     with torch.no_grad():
         lp = mb.rollout_logprobs(model, mb.BranchTree.from_sequences(BATCH.sequences))
         lp_wrong = mb.rollout_logprobs(wrong, mb.BranchTree.from_sequences(BATCH.sequences))

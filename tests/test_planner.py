@@ -7,7 +7,13 @@ import sys
 import pytest
 
 from megatron_branch.commands.planner.estimate import GB, Layout, Workload, memory_per_gpu, stage_params, step_flops
-from megatron_branch.commands.planner.memory import replay_peak_bytes, replay_peak_parts, workload_tree
+from megatron_branch.commands.planner.memory import (
+    cache_bytes,
+    kv_widths,
+    replay_peak_bytes,
+    replay_peak_parts,
+    workload_tree,
+)
 from megatron_branch.commands.planner.plan import plan
 from megatron_branch.commands.planner.presets import GPUS, MODELS, ModelSpec, model_from_hf_config
 
@@ -65,7 +71,7 @@ def test_every_parameter_is_counted_per_pipeline_stage():
 
 # Published sizes (model cards; one or two significant decimals, so 1% for the totals).
 PUBLISHED = {"Llama-3-8B": 8.03e9, "Qwen2.5-7B": 7.61e9, "Qwen3-8B": 8.2e9, "Qwen2.5-14B": 14.7e9,
-             "Qwen2.5-32B": 32.5e9, "Qwen3-30B-A3B": 30.5e9}
+             "Qwen2.5-32B": 32.5e9, "Qwen3-30B-A3B": 30.5e9, "DeepSeek-V3": 671e9}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -216,3 +222,89 @@ def test_a_preset_whose_counts_do_not_add_up_is_refused():
     with pytest.raises(ValueError, match=r"bad: experts_per_token 9 must be in \[1, num_experts 8\]"):
         ModelSpec("bad", 2, 64, 4, 2, 9 * 16, 100, num_experts=8, experts_per_token=9, moe_ffn_hidden_size=16)
 
+
+
+# multi-latent attention by hand: 2 heads, query/key heads 3 + 2 (RoPE), value heads 3, latents q 4 / kv 4
+TINY_MLA = ModelSpec("tiny-mla", num_layers=2, hidden_size=8, num_attention_heads=2, num_kv_heads=2,
+                     ffn_hidden_size=16, vocab_size=10, kv_lora_rank=4, q_lora_rank=4, qk_head_dim=3,
+                     qk_pos_emb_head_dim=2, v_head_dim=3)
+
+
+def test_mla_params_flops_and_kv_by_hand():
+    # q: q_a 8*4, q_a_norm 4, q_b 4*2*5; kv: kv_a 8*(4+2), kv_a_norm 4, kv_b 4*2*(3+3); o 2*3*8
+    attention = (32 + 4 + 40) + (48 + 4 + 48) + 48
+    assert TINY_MLA.params_per_layer() == attention + 3 * 8 * 16 + 16
+    # K: every head's 3 + 2 wide key (the RoPE part expanded per head), V: 2 x 3; not the latent
+    assert kv_widths(TINY_MLA) == (2 * 5, 2 * 3) and kv_widths(TINY_MLA, tp=2) == (5, 3)
+    # Q K^T over 5 and P V over 3 per head: 2 FLOPs each per pair, x3 for forward + backward
+    assert step_flops(TINY_MLA, positions=3, pairs=6)["attention"] == 3 * 2 * 6 * (5 + 3) * 2 * 2
+    assert TINY_MLA.key_channels == 5 and TINY_MLA.value_channels == 3
+
+
+def test_mla_preset_caches_the_uncompressed_kv():
+    m = MODELS["DeepSeek-V3"]
+    assert m.is_mla and m.is_moe and m.active_params() == pytest.approx(37e9, rel=0.02)  # "37B activated"
+    heads, k_head, v_head = 128, 128 + 64, 128
+    # per token per layer: K = heads x (qk_head_dim + qk_pos_emb_head_dim), V = heads x v_head_dim (bf16)
+    assert kv_widths(m) == (heads * k_head, heads * v_head)
+    assert cache_bytes(m, 1, tp=1, layers=1, act_bytes=2, exact=False) == 2 * (heads * k_head + heads * v_head)
+    assert cache_bytes(m, 1, tp=8, layers=1, act_bytes=2, exact=False) == 2 * 16 * (k_head + v_head)
+    # grouped-query attention keeps its equal widths: kv_heads x head_dim each
+    assert kv_widths(MODELS["Llama-3-8B"]) == (8 * 128, 8 * 128)
+    # through the plan's memory function: the 40-token stem's K/V in every layer, bf16 values and
+    # float32 gradient accumulators (the replay plan of test_params_memory_and_flops_by_hand)
+    mem = memory_per_gpu(m, Workload(50, 2, 5), Layout(1, 1, 1, 1, 40, "none", False), act_bytes=2)
+    assert mem["stem_kv_cache"] == 40 * 61 * (heads * k_head + heads * v_head) * (2 + 4)
+
+
+def test_mla_moe_preset_counts_dense_layers_and_shared_experts():
+    m = MODELS["DeepSeek-V3"]
+    assert m.ffn_hidden_size == 8 * 2048 + 2048 == 18432  # the first 3 dense layers' width too
+    experts = 256 * 3 * 7168 * 2048
+    assert m.num_params() == (58 * (m.dense_params_per_layer() + experts) + 3 * m.first_dense_layer_params()
+                              + 2 * 129280 * 7168 + 7168)
+    assert m.dense_params_per_layer() == m.active_params_per_layer() - 3 * 7168 * 8 * 2048  # the shared expert stays
+    # PP: the first stage holds the dense layers and the embedding; the busiest is another one
+    two = ModelSpec("two", 4, 8, 2, 2, 2 * 4 + 4, 10, num_experts=4, experts_per_token=2, moe_ffn_hidden_size=4,
+                    shared_expert_ffn_hidden_size=4, first_dense_layers=1)
+    stage = stage_params(two, Layout(1, 1, 2, 1, 64, "none", False, ep=2))
+    last = 2 * two.dense_params_per_layer() + 80 + 8
+    assert stage["dense"] == last and stage["experts"] == 2 * two.expert_params_per_layer() / 2
+    assert stage_params(two, Layout(1, 1, 1, 1, 64, "none", False))["total"] == two.num_params()
+    with pytest.raises(ValueError, match="experts_per_token x moe_ffn_hidden_size \\+ shared_expert_ffn_hidden_size"):
+        ModelSpec("bad", 2, 8, 2, 2, 8, 10, num_experts=4, experts_per_token=2, moe_ffn_hidden_size=4,
+                  shared_expert_ffn_hidden_size=4)
+    with pytest.raises(ValueError, match="num_kv_heads 1 must equal num_attention_heads 2"):
+        ModelSpec("bad", 2, 8, 2, 1, 16, 10, kv_lora_rank=4, qk_head_dim=3, qk_pos_emb_head_dim=2, v_head_dim=3)
+    with pytest.raises(ValueError, match="needs v_head_dim >= 1"):
+        ModelSpec("bad", 2, 8, 2, 2, 16, 10, kv_lora_rank=4, qk_head_dim=3, qk_pos_emb_head_dim=2)
+    with pytest.raises(ValueError, match="first_dense_layers need num_experts"):
+        ModelSpec("bad", 2, 8, 2, 2, 16, 10, first_dense_layers=1)
+
+
+DEEPSEEK_V3_CONFIG = {  # deepseek-ai/DeepSeek-V3 config.json, the fields the planner reads
+    "num_hidden_layers": 61, "hidden_size": 7168, "num_attention_heads": 128, "num_key_value_heads": 128,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1,
+    "num_experts_per_tok": 8, "first_k_dense_replace": 3, "moe_layer_freq": 1, "kv_lora_rank": 512,
+    "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280,
+    "head_dim": 64,  # as transformers writes it (the RoPE part); not the attention's head size
+}
+
+
+def test_mla_preset_from_hf_config_and_cli(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(DEEPSEEK_V3_CONFIG))
+    spec = model_from_hf_config(str(cfg))
+    assert spec.num_params() == MODELS["DeepSeek-V3"].num_params()
+    assert kv_widths(spec) == kv_widths(MODELS["DeepSeek-V3"])
+    # DeepSeek-V2-Lite: its dense layer (10944) is narrower than a MoE layer's 6 + 2 shared experts of 1408
+    cfg.write_text(json.dumps(dict(DEEPSEEK_V3_CONFIG, intermediate_size=10944, moe_intermediate_size=1408,
+                                   num_experts_per_tok=6, n_shared_experts=2, first_k_dense_replace=1)))
+    with pytest.raises(ValueError, match="intermediate_size 10944 differs from a MoE layer's active width 11264"):
+        model_from_hf_config(str(cfg))
+    proc = subprocess.run([sys.executable, "-m", "megatron_branch.cli", "plan", "--model", "DeepSeek-V3", "--gpu",
+                           "H200", "--gpus", "256", "--prompt-len", "65536", "--rollouts", "16",
+                           "--response-len", "2048"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "FITS" in proc.stdout and "37.6B active" in proc.stdout
+    assert "uncompressed K (128 x 192) and V (128 x 128)" in proc.stdout

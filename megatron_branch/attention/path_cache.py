@@ -26,6 +26,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from megatron_branch.attention.recurrent_path import RecurrentPath
+
 
 @dataclass(frozen=True)
 class StemRows:
@@ -57,6 +59,8 @@ class PathCache:
         self.rows_of: Dict[int, StemRows] = {}  # stem id -> its rows (kept after the pop)
         self._next_id = 0
         self.peak_bytes = 0
+        # recurrent layers' convolution rows and final states (Gated DeltaNet)
+        self.recurrent = RecurrentPath(self)
 
     # ------------------------------------------------------------------ stems
     def begin_stem(self, stem_id: Optional[int] = None) -> int:
@@ -87,6 +91,7 @@ class PathCache:
         for gk, gv in self.grad.values():
             gk[stem.lo:stem.hi].zero_()
             gv[stem.lo:stem.hi].zero_()
+        self.recurrent.release(stem.stem_id, stem.lo, stem.hi)
         self.rows_of.pop(stem.stem_id, None)
         self._written.pop(stem.stem_id, None)
 
@@ -146,7 +151,7 @@ class PathCache:
     def nbytes(self) -> int:
         """Bytes of K/V held for the current path (all layers)."""
         return sum(self.length * (k[0].numel() * k.element_size() + v[0].numel() * v.element_size())
-                   for k, v in self.kv.values())
+                   for k, v in self.kv.values()) + self.recurrent.nbytes()
 
 
 class _PathPrefix(torch.autograd.Function):

@@ -169,6 +169,7 @@ def tree_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, plan: Tr
     out = q.new_zeros((n + 1, h, dv))
     for level in plan.levels:
         qb, kb, vb, gb, bb = (t[level.index] for t in padded)  # [B, L, H, ...]
+        state_dtype = torch.promote_types(v.dtype, torch.float32)  # kernels keep states in float32 at least
         starts = []
         for p in level.parents:
             if p >= 0:
@@ -176,8 +177,8 @@ def tree_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, plan: Tr
             elif initial_state is not None:
                 starts.append(initial_state)
             else:
-                starts.append(q.new_zeros((h, dk, dv), dtype=torch.float32))
-        init = torch.stack([s.float() for s in starts])
+                starts.append(q.new_zeros((h, dk, dv), dtype=state_dtype))
+        init = torch.stack([s.to(state_dtype) for s in starts])
         o, last = kernel(qb, kb, vb, g=gb, beta=bb, initial_state=init, output_final_state=True)
         flat = level.index.reshape(-1)
         out = out.index_copy(0, flat, o.reshape(-1, h, dv).to(out.dtype))

@@ -168,7 +168,7 @@ def load_megatron(megatron_path: str, **spec_kwargs):
 
 
 def _shape_of(hf_cfg: dict) -> dict:
-    """The fields of a HF config that decide the weights' names and shapes (Megatron's names)."""
+    """The fields of a HF config that decide the weights' names, shapes and layout (Megatron's names)."""
     config, model = megatron_args_from_hf(hf_cfg)
     keys = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "kv_channels",
             "add_qkv_bias", "qk_layernorm", "num_moe_experts", "moe_ffn_hidden_size",
@@ -176,6 +176,8 @@ def _shape_of(hf_cfg: dict) -> dict:
             "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
     out = {k: config.get(k) for k in keys}
     out.update(vocab_size=model["vocab_size"], tied=model["share_embeddings_and_output_weights"])
+    if config.get("multi_latent_attention"):  # the order of the RoPE rows on export (.deepseek)
+        out["rope_interleave"] = bool(hf_cfg.get("rope_interleave", True))
     return out
 
 

@@ -11,10 +11,11 @@ sequence steps replaced by their tree versions
 (:mod:`megatron_branch.attention.tree_recurrence`). Without tree data it is the stock
 layer. Parameters and names are the stock layer's.
 
-Refused (``ValueError`` naming the layer and option): context parallelism (the stock
-layer exchanges heads across CP ranks for a linear sequence; a tree split has no state
-exchange yet) and streaming replay with a path above the unit (the path's states are not
-kept by the prefix cache yet).
+Streaming replay keeps each stem's final state and last convolution inputs per layer
+in the path cache and injects their accumulated gradients with the stem's backward,
+as for attention's K/V. Refused (``ValueError`` naming the layer and option): context
+parallelism (the stock layer exchanges heads across CP ranks for a linear sequence; a
+tree split has no state exchange yet).
 """
 
 from __future__ import annotations
@@ -47,17 +48,22 @@ class BranchGatedDeltaNet(GatedDeltaNet if GatedDeltaNet is not None else _NoGat
         return self._tree_forward(hidden_states, packed_seq_params)
 
     def _check_tree(self, params: BranchPackedSeqParams) -> None:
-        where = f"layer {self.layer_number} (GatedDeltaNet)"
         if self.cp_size > 1 or params.cp is not None:
-            raise ValueError(f"context_parallel_size: {where} has no state exchange for a tree split over "
-                             "context-parallel ranks; run hybrid models with context_parallel_size=1")
-        if params.stem_id is not None or (params.cache is not None and params.cache.has_path):
-            raise ValueError(f"max_chunk_tokens: {where} cannot stream yet (the prefix cache keeps no "
-                             "recurrent states); replay hybrid models in one pass (max_chunk_tokens=None)")
+            raise ValueError(f"context_parallel_size: layer {self.layer_number} (GatedDeltaNet) has no state "
+                             "exchange for a tree split over context-parallel ranks; run hybrid models with "
+                             "context_parallel_size=1")
 
     def _tree_forward(self, hidden_states, params: BranchPackedSeqParams):
-        """``hidden_states [U / sp, 1, h]`` of one packed unit -> ``(out [U / sp, 1, h], bias)``."""
+        """``hidden_states [U / sp, 1, h]`` of one packed unit -> ``(out [U / sp, 1, h], bias)``.
+
+        In streaming replay the unit continues the path of stems above it: its top
+        segments start from the deepest stem's final state and its convolution reads the
+        path's last inputs (:class:`~megatron_branch.attention.recurrent_path.RecurrentPath`);
+        a stem's forward records both for the units below it.
+        """
         self._check_tree(params)
+        cache = params.cache
+        path = cache.recurrent if cache is not None else None
         # [U, 1, qkvzba] (sequence parallelism gathers the unit's tokens)
         qkvzba, _ = self.in_proj(hidden_states)
         n = qkvzba.shape[0]
@@ -65,14 +71,27 @@ class BranchGatedDeltaNet(GatedDeltaNet if GatedDeltaNet is not None else _NoGat
         qkv, gate, beta, alpha = qkvzba.split(self.feat_dim_split, dim=-1)
         gate = gate.reshape(1, n, -1, self.value_head_dim)
         window = self.conv1d.weight.shape[-1]
-        plan = params.memo(("gdn-plan", window), lambda: TreeRecurrencePlan.build(
-            params.segments, n, window, has_path=False, device=qkv.device))
+        stem = params.stem_id
+        x = qkv[0]  # [U, conv_dim] convolution inputs
+        if stem is not None and params.inject:
+            x = path.inject_rows(x, self.layer_number, stem)
+        tail = path.tail(self.layer_number, window - 1) if path is not None else None
+        initial = path.path_state(self.layer_number) if path is not None else None
+        rows = 0 if tail is None else tail.shape[0]
+        plan = params.memo(("gdn-plan", window, rows), lambda: TreeRecurrencePlan.build(
+            params.segments, n, window, has_path=rows > 0, path_rows=rows, device=qkv.device))
         # conv over each token's path, then the stock activation: [1, U, conv_dim]
-        qkv = self.act_fn(tree_causal_conv(qkv[0], self.conv1d.weight, self.conv1d.bias, plan))[None]
+        qkv = self.act_fn(tree_causal_conv(x, self.conv1d.weight, self.conv1d.bias, plan, path_tail=tail))[None]
         query, key, value, gate, beta, alpha = self._prepare_input_for_gated_delta_rule(qkv, gate, 1, n, beta, alpha)
         g, beta = self._compute_g_and_beta(self.A_log, self.dt_bias, alpha, beta)
-        # [U, H, dv]: each segment's scan from its parent's final state
-        core, _ = tree_scan(query[0], key[0], value[0], g[0], beta[0], plan, self._kernel)
+        # [U, H, dv]: each segment's scan from its parent's final state (the path's for the top ones)
+        core, finals = tree_scan(query[0], key[0], value[0], g[0], beta[0], plan, self._kernel,
+                                 initial_state=initial)
+        if stem is not None:
+            final = finals[self._stem_segment(params)]
+            path.record(self.layer_number, x, params.num_real, final, stem)
+            if params.inject:
+                core = path.inject_state(core, final, self.layer_number, stem)
         core = core[None]
         if self.recompute_norm_out:
             self.norm_out_checkpoint = tensor_parallel.CheckpointWithoutOutput()
@@ -84,6 +103,14 @@ class BranchGatedDeltaNet(GatedDeltaNet if GatedDeltaNet is not None else _NoGat
         if self.recompute_norm_out:
             self.norm_out_checkpoint.discard_output_and_register_recompute(out)
         return out, out_bias
+
+    def _stem_segment(self, params: BranchPackedSeqParams) -> int:
+        """The segment of a stem's chain (a stem is one chain, plus padding)."""
+        real = [i for i, seg in enumerate(params.segments) if seg.start < params.num_real]
+        if len(real) != 1:
+            raise RuntimeError(f"layer {self.layer_number} (GatedDeltaNet): a stem must be one chain, got "
+                               f"{len(real)} segments")
+        return real[0]
 
     def _kernel(self, q, k, v, *, g, beta, initial_state, output_final_state):
         return self.gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=initial_state,

@@ -96,12 +96,24 @@ def stage_params(model: ModelSpec, lay: Layout) -> Dict[str, float]:
     layers = -(-model.num_layers // lay.pp)
     embedding = model.vocab_size * model.hidden_size
     output = embedding if (not model.tied_embeddings or lay.pp > 1) else 0
+    if model.first_dense_layers:  # stages differ in their layers: take the one holding the most
+        return max((_stage(model, lay, s, layers, embedding, output) for s in range(lay.pp)),
+                   key=lambda part: part["total"])
     if lay.pp == 1:
         extra = embedding + output + model.hidden_size
     else:  # the first stage (embedding) or the last (output layer and final norm), the larger
         extra = max(embedding, output + model.hidden_size)
     dense = (layers * model.dense_params_per_layer() + extra) / lay.tp
     experts = layers * model.expert_params_per_layer() / lay.ep
+    return {"dense": dense, "experts": experts, "total": dense + experts}
+
+
+def _stage(model: ModelSpec, lay: Layout, stage: int, layers: int, embedding: int, output: int) -> Dict[str, float]:
+    """:func:`stage_params` of pipeline stage ``stage`` (``layers`` layers each)."""
+    parts = [model.layer_params(i) for i in range(stage * layers, min((stage + 1) * layers, model.num_layers))]
+    extra = (embedding if stage == 0 else 0) + (output + model.hidden_size if stage == lay.pp - 1 else 0)
+    dense = (sum(d for d, _ in parts) + extra) / lay.tp
+    experts = sum(e for _, e in parts) / lay.ep
     return {"dense": dense, "experts": experts, "total": dense + experts}
 
 
@@ -136,10 +148,13 @@ def memory_per_gpu(model: ModelSpec, work: Workload, lay: Layout, act_bytes: int
 
 
 def step_flops(model: ModelSpec, positions: float, pairs: float) -> Dict[str, float]:
-    """Forward+backward FLOPs: linear (incl. output layer) and attention."""
-    linear = 6 * positions * (model.num_layers * (model.active_params_per_layer() - 2 * model.hidden_size)
-                              + model.vocab_size * model.hidden_size)
-    attention = 12 * pairs * model.kv_channels * model.num_attention_heads * model.num_layers
+    """Forward+backward FLOPs: linear (incl. output layer) and attention (``Q K^T`` over the
+    query/key width, ``P V`` over the value width)."""
+    h, first = model.hidden_size, model.first_dense_layers
+    linear = 6 * positions * ((model.num_layers - first) * (model.active_params_per_layer() - 2 * h)
+                              + first * (model.first_dense_layer_params() - 2 * h) + model.vocab_size * h)
+    attention = (6 * pairs * (model.key_channels + model.value_channels) * model.num_attention_heads
+                 * model.num_layers)
     return {"linear": linear, "attention": attention}
 
 

@@ -6,8 +6,10 @@ with the same work-balanced bounds (:func:`megatron_branch.attention.context_par
 and counts, per rank:
 
 * the path cache (:class:`megatron_branch.attention.path_cache.PathCache`): allocated once for the
-  deepest stem path — this rank's rows x layers x 2 (K, V) x kv_dim at the activation
-  width, plus float32 gradient accumulators of the same shape in exact replay;
+  deepest stem path — this rank's rows x layers x (K width + V width) at the activation
+  width, plus float32 gradient accumulators of the same shape in exact replay
+  (:func:`kv_widths`: ``kv_heads x head_dim`` each, or multi-latent attention's
+  uncompressed per-head K and V);
 * the unit being run (a chunk, or a stem recomputed for its backward): saved activations
   ``LAYER_ELEMS`` per token per layer, ``TOKEN_ELEMS`` per token outside the layers, the
   unit's K/V gathered over CP and saved by every layer's attention, and float32 logits for
@@ -17,7 +19,8 @@ and counts, per rank:
   activations at the top layer's backward (when the logits are already freed, so the
   larger of the two counts): ``ATTN_PIECES`` x queries x hidden for the unit's own pieces,
   and for the path cache ``ATTN_PREFIX`` x prefix queries x hidden plus ``ATTN_CACHE`` x
-  cached rows x kv_dim (``dK``/``dV`` and their kernel outputs). Under CP every rank runs
+  cached rows x kv_dim (``dK``/``dV`` and their kernel outputs; ``kv_dim`` is the mean of
+  the K and V widths, ``hidden`` the heads' mean query/value width). Under CP every rank runs
   the prefix attention for *all* the unit's queries (all-gathered) against its own rows,
   and keeps the gathered ``q``, ``dO``, ``O`` and a reduce buffer (``ATTN_CP`` x unit
   queries x hidden) plus the unit's gathered ``dK``/``dV``.
@@ -33,7 +36,7 @@ on context-parallel runs they were not fitted on.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -54,9 +57,32 @@ ATTN_CACHE = 6.0  # float32 x cached rows x kv_dim: its dK/dV
 ATTN_CP = 4.0  # float32 x unit queries x hidden: gathered q, dO, O and the reduce buffer
 
 
+def kv_widths(spec, tp: int = 1) -> Tuple[int, int]:
+    """Elements of K and of V that branch replay keeps per token per layer on one TP rank.
+
+    Grouped-query attention: ``kv_heads x head_dim`` each. Multi-latent attention
+    (DeepSeek-V2/V3): the uncompressed post-RoPE K and V the attention runs on, not the
+    ``kv_lora_rank`` latent: K is ``num_attention_heads x (qk_head_dim + qk_pos_emb_head_dim)``
+    (the shared RoPE part repeated in every head), V is ``num_attention_heads x v_head_dim``.
+    """
+    heads = max(spec.num_kv_heads // tp, 1)
+    return heads * spec.key_channels, heads * spec.value_channels
+
+
+def _kv_dim(spec, tp: int) -> float:
+    """The mean of the K and V widths: what the fitted constants multiply (fitted with K = V)."""
+    k, v = kv_widths(spec, tp)
+    return (k + v) / 2
+
+
+def _attn_width(spec, tp: int) -> float:
+    """This rank's heads x their mean query/value width (``heads x head_dim`` with K = V)."""
+    return spec.num_attention_heads // tp * (spec.key_channels + spec.value_channels) / 2
+
+
 def layer_elems(spec, tp: int = 1) -> float:
     a_h, a_kv, a_f = LAYER_ELEMS
-    kv_dim = max(spec.num_kv_heads // tp, 1) * spec.kv_channels
+    kv_dim = _kv_dim(spec, tp)
     return (a_h * spec.hidden_size) / tp + a_kv * kv_dim + a_f * spec.ffn_hidden_size / tp
 
 
@@ -72,8 +98,8 @@ def unit_parts(spec, tokens: float, unit_tokens: float, scored_rows: float, *, t
         recompute: Megatron's activation recompute (``"full"`` keeps each layer's input
             and one layer's activations).
     """
-    kv_dim = max(spec.num_kv_heads // tp, 1) * spec.kv_channels
-    hidden = spec.num_attention_heads // tp * spec.kv_channels
+    kv_dim = _kv_dim(spec, tp)
+    hidden = _attn_width(spec, tp)
     per_token = (layers * spec.hidden_size / tp + layer_elems(spec, tp) if recompute == "full"
                  else layers * layer_elems(spec, tp))
     attention = ATTN_PIECES * tokens * hidden + (2 * unit_tokens * kv_dim if cp > 1 else 0)
@@ -98,9 +124,10 @@ def unit_bytes(spec, tokens: float, unit_tokens: float, scored_rows: float, **kw
 
 
 def cache_bytes(spec, rows: int, *, tp: int, layers: int, act_bytes: int, exact: bool = True) -> float:
-    """The path cache of ``rows`` (this rank's share of the deepest stem path)."""
-    kv_dim = max(spec.num_kv_heads // tp, 1) * spec.kv_channels
-    return rows * layers * 2 * kv_dim * (act_bytes + (4 if exact else 0))
+    """The path cache of ``rows`` (this rank's share of the deepest stem path): K and V of
+    every layer (:func:`kv_widths`), plus float32 gradient accumulators in exact replay."""
+    k, v = kv_widths(spec, tp)
+    return rows * layers * (k + v) * (act_bytes + (4 if exact else 0))
 
 
 def replay_peak_parts(spec, tree, *, chunk_tokens: Optional[int], tp: int = 1, cp: int = 1, pp: int = 1,

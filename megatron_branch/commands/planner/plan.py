@@ -101,6 +101,11 @@ def format_plan(result: Dict) -> str:
         lines.insert(2, f"MoE: {m['num_experts']} experts, top-{m['experts_per_token']}: "
                         f"{result['params_total'] / 1e9:.1f}B parameters, {result['params_active'] / 1e9:.1f}B active "
                         f"per token; experts sharded over EP")
+    if result["model"].get("kv_lora_rank"):
+        m = result["model"]
+        lines.insert(2, f"MLA: the path cache holds each head's uncompressed K ({m['num_attention_heads']} x "
+                        f"{m['qk_head_dim'] + m['qk_pos_emb_head_dim']}) and V ({m['num_attention_heads']} x "
+                        f"{m['v_head_dim']}) per token and layer, not the {m['kv_lora_rank']}-wide latent")
     for name, value in b["memory_bytes"].items():
         lines.append(f"  {name:<18s}{value / GB:>9.2f} GB")
     lines.append(f"  {'total':<18s}{b['memory_total_bytes'] / GB:>9.2f} GB of {USABLE * gpu['memory_gb']:.1f} "
