@@ -31,6 +31,10 @@ setup(
         # the bench's comparison with the real prefix_grouper package (what verl's use_prefix_grouper runs)
         "peer": ["prefix_grouper", "transformers", "safetensors"],
         "launch": ["nemo-run==0.11.1", "leptonai<0.47"],
+        # Gated DeltaNet (megatron-core >= 0.19): Megatron's GatedDeltaNet refuses to build without
+        # flash-linear-attention; on CPU only its import is needed (megatron_branch.cpu shims its l2norm,
+        # and deterministic_mode selects Megatron's torch kernels).
+        "hybrid": ["flash-linear-attention==0.6.0", "fla-core==0.6.0", "einops"],
         # the verl 0.9.1 engine adapter (megatron_branch.integrations.verl); verl pins transformers < 5.11
         # and tensordict <= 0.10, so it gets its own venv in .ci/run. Its plugin entry point below makes
         # verl import the adapter, which registers the engine (verl selects it with VERL_ENGINE_VENDOR=branch).

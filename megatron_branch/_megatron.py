@@ -54,11 +54,13 @@ try:
         _warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
         from megatron.core.models.gpt.experimental_attention_variant_module_specs import (  # noqa: E402
             get_linear_attention_pattern,
+            get_transformer_block_with_experimental_attention_variant_spec,
         )
         from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules  # noqa: E402
         from megatron.core.ssm.gated_delta_net import common as gdn_common  # noqa: E402
 except ImportError:  # 0.16: no GatedDeltaNet
     GatedDeltaNet = GatedDeltaNetSubmodules = gdn_common = get_linear_attention_pattern = None
+    get_transformer_block_with_experimental_attention_variant_spec = None
 
 try:  # megatron-core >= 0.19: a metrics tracker object
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker as _metrics_tracker

@@ -2,7 +2,10 @@
 
 Per layer and token: QKV, output projection and MLP GEMMs; per visible (query, key)
 pair and layer: ``QK^T`` and ``PV``; plus the output layer per position. Backward is
-counted as twice the forward (3x in all), as in the usual ``6 N`` rule.
+counted as twice the forward (3x in all), as in the usual ``6 N`` rule. Hybrid models
+(Gated DeltaNet layers) count their layers' projections per token and attention pairs
+in the attention layers only; the delta-rule recurrence (``O(heads * d_k * d_v)`` per
+token, linear in the length) is left out, like the norms.
 """
 
 from __future__ import annotations
@@ -21,6 +24,10 @@ class ModelShape:
     ffn_hidden_size: int
     vocab_size: int
     gated: bool = True
+    # hybrid models: layers with attention (pairs count there only; None = all) and the
+    # matmul parameters of all decoder layers (None = num_layers x the attention layer's)
+    attention_layers: "int | None" = None
+    decoder_linear_params: "int | None" = None
 
     @property
     def head_dim(self) -> int:
@@ -50,9 +57,11 @@ def step_flops(shape: ModelShape, positions: float, attention_pairs: float) -> d
         positions: token positions run through the model.
         attention_pairs: (query, key) pairs scored, summed over the batch.
     """
-    linear = 3 * 2 * positions * (shape.num_layers * shape.linear_params_per_layer()
-                                  + shape.hidden_size * shape.vocab_size)
-    attention = 3 * 4 * attention_pairs * shape.head_dim * shape.num_attention_heads * shape.num_layers
+    decoder = (shape.decoder_linear_params if shape.decoder_linear_params is not None
+               else shape.num_layers * shape.linear_params_per_layer())
+    linear = 3 * 2 * positions * (decoder + shape.hidden_size * shape.vocab_size)
+    layers = shape.attention_layers if shape.attention_layers is not None else shape.num_layers
+    attention = 3 * 4 * attention_pairs * shape.head_dim * shape.num_attention_heads * layers
     return {"linear": float(linear), "attention": float(attention), "total": float(linear + attention)}
 
 

@@ -12,7 +12,7 @@ Gradients are read from Megatron DDP's ``main_grad`` when the model is wrapped (
 from __future__ import annotations
 
 import re
-from typing import Dict
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -55,15 +55,33 @@ def _is_gated_fc1(name: str, config) -> bool:
     return config.gated_linear_unit and name.endswith("linear_fc1.weight")
 
 
+def _sections(name: str, config, full: int) -> Optional[List[int]]:
+    """Widths (unsharded) of the blocks a TP-sharded parameter concatenates, each split
+    over the TP ranks on its own, or None for one contiguous block: ``[gate; up]`` of a
+    gated ``linear_fc1``; Gated DeltaNet's ``in_proj`` ``[q; k; v; z; beta; alpha]`` and
+    ``conv1d`` ``[q; k; v]`` (megatron-core 0.19's layout per rank)."""
+    if _is_gated_fc1(name, config):
+        return [full // 2, full // 2]
+    if getattr(config, "experimental_attention_variant", None) == "gated_delta_net":
+        qk = config.linear_key_head_dim * config.linear_num_key_heads
+        v = config.linear_value_head_dim * config.linear_num_value_heads
+        if name.endswith("self_attention.in_proj.weight"):
+            return [qk, qk, v, v, config.linear_num_value_heads, config.linear_num_value_heads]
+        if name.endswith(("self_attention.conv1d.weight", "self_attention.conv1d.bias")):
+            return [qk, qk, v]
+    return None
+
+
 def _join_tp(name: str, local: Tensor, param, config, group) -> Tensor:
     if not getattr(param, "tensor_model_parallel", False) or _size(group) == 1:
         return local
-    dim = param.partition_dim
-    parts = [torch.empty_like(local) for _ in range(_size(group))]
+    dim, size = param.partition_dim, _size(group)
+    parts = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(parts, local.contiguous(), group=group)
-    if _is_gated_fc1(name, config):  # each shard is [gate_i; up_i]
-        halves = [p.chunk(2, dim=dim) for p in parts]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
+    sections = _sections(name, config, local.shape[dim] * size)
+    if sections:  # each shard is [block_0 / tp; block_1 / tp; ...]
+        pieces = [p.split([w // size for w in sections], dim=dim) for p in parts]
+        return torch.cat([pieces[r][i] for i in range(len(sections)) for r in range(size)], dim=dim)
     return torch.cat(parts, dim=dim)
 
 
@@ -71,9 +89,9 @@ def _split_tp(name: str, full: Tensor, param, config, group) -> Tensor:
     if not getattr(param, "tensor_model_parallel", False) or _size(group) == 1:
         return full
     dim, size, rank = param.partition_dim, _size(group), dist.get_rank(group)
-    if _is_gated_fc1(name, config):
-        gate, up = full.chunk(2, dim=dim)
-        return torch.cat([gate.chunk(size, dim=dim)[rank], up.chunk(size, dim=dim)[rank]], dim=dim)
+    sections = _sections(name, config, full.shape[dim])
+    if sections:
+        return torch.cat([block.chunk(size, dim=dim)[rank] for block in full.split(sections, dim=dim)], dim=dim)
     return full.chunk(size, dim=dim)[rank]
 
 

@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 
 MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=192)
 MLA = dict(num_layers=2, hidden_size=64, num_attention_heads=4, rope_type="yarn", qk_layernorm=True)
+GDN = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, linear_attention_freq=2)
 VOCAB = 128
 
 
@@ -43,16 +44,19 @@ def make_loss(batch):
     return loss_fn
 
 
-def build(tp=1, pp=1, sp=False, mla=False, **overrides):
-    """The test model for a layout; ``mla``: the multi-latent-attention model (YaRN RoPE)."""
+def build(tp=1, pp=1, sp=False, mla=False, gdn=False, **overrides):
+    """The test model for a layout; ``mla``: the multi-latent-attention model (YaRN RoPE);
+    ``gdn``: the hybrid Gated DeltaNet model (GDN, attention, GDN, attention)."""
     from megatron_branch._megatron import parallel_state
-    from megatron_branch.spec.builders import build_gpt, llama_config, mla_config
+    from megatron_branch.spec.builders import build_gpt, hybrid_config, llama_config, mla_config
 
     parallel = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                     context_parallel_size=parallel_state.get_context_parallel_world_size(),
                     sequence_parallel=sp, pipeline_dtype=torch.float32, calculate_per_token_loss=True)
     if mla:
         config = mla_config(**MLA, **parallel, **overrides)
+    elif gdn:
+        config = hybrid_config(**GDN, **parallel, **overrides)
     else:
         config = llama_config(**MODEL, **parallel, **overrides)
     return build_gpt(config, VOCAB, seed=0,
@@ -102,7 +106,8 @@ def worker(rank, world, port, layout, cases, weights, out_dir):
             context_parallel_size=layout["cp"])
         from megatron_branch.training import wrap_ddp
 
-        model = build(layout["tp"], layout["pp"], layout.get("sp", False), layout.get("mla", False))
+        model = build(layout["tp"], layout["pp"], layout.get("sp", False), layout.get("mla", False),
+                      layout.get("gdn", False))
         load_full_state(model, torch.load(weights))
         model = wrap_ddp(model)
         data = trees()
@@ -145,8 +150,9 @@ def spawn(layout, cases, weights, out_dir, port):
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
 
 
-def build_error_worker(rank, world, port, layout, out_dir):
-    """Build the layout's model and save the ``ValueError`` it raises ("" if none)."""
+def build_error_worker(rank, world, port, layout, out_dir, run=False):
+    """Build the layout's model (and with ``run``, score a tree with it) and save the
+    ``ValueError`` raised ("" if none)."""
     warnings.filterwarnings("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import megatron_branch as mb
@@ -159,7 +165,12 @@ def build_error_worker(rank, world, port, layout, out_dir):
                                                  context_parallel_size=layout["cp"])
         message = ""
         try:
-            build(layout["tp"], layout["pp"], layout.get("sp", False), layout.get("mla", False))
+            model = build(layout["tp"], layout["pp"], layout.get("sp", False), layout.get("mla", False),
+                          layout.get("gdn", False))
+            if run:
+                batch, tree = trees()["tiny"]
+                with torch.no_grad():
+                    mb.rollout_logprobs(model, tree)
         except ValueError as e:
             message = str(e)
         with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
@@ -169,10 +180,15 @@ def build_error_worker(rank, world, port, layout, out_dir):
         dist.destroy_process_group()
 
 
-def spawn_build_error(layout, out_dir, port):
+def spawn_build_error(layout, out_dir, port, run=False):
     world = layout["tp"] * layout["cp"] * layout["pp"]
-    start(build_error_worker, (world, port, layout, out_dir), world)
+    start(build_error_worker, (world, port, layout, out_dir, run), world)
     return [open(os.path.join(out_dir, f"error{r}.txt")).read() for r in range(world)]
+
+
+def spawn_run_error(layout, out_dir, port):
+    """The ``ValueError`` each rank raises scoring a tree with the layout's model."""
+    return spawn_build_error(layout, out_dir, port, run=True)
 
 
 def hf_worker(rank, world, port, ckpt, sequences, out_dir):

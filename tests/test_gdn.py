@@ -17,6 +17,7 @@ Two tolerances, because Megatron's torch kernel works in float32 chunks of 64 st
   (float64, step-by-step) gradient is at most twice the stock float32 gradient's.
 """
 
+import dist_worker
 import pytest
 import torch
 from conftest import VOCAB
@@ -26,6 +27,8 @@ from test_replay import Loss, multi_level_forest, naive_truth, one_prompt_tails
 import megatron_branch as mb
 from megatron_branch._megatron import gdn_unavailable_reason
 from megatron_branch.attention.recurrent_path import RecurrentPath
+from megatron_branch.distributed import free_port
+from megatron_branch.full_state import full_state
 from megatron_branch.reference.agreement import check_against_naive, compare_grads, grads
 from megatron_branch.reference.naive import batched_rollout_logprobs, naive_rollout_logprobs
 from megatron_branch.reference.recurrent import recurrent_gated_delta_rule
@@ -211,3 +214,47 @@ def test_a_stock_gdn_layer_in_a_tree_model_is_refused():
     branch.decoder.layers[0].self_attention = stock.decoder.layers[0].self_attention
     with pytest.raises(ValueError, match="decoder.layers.0.self_attention: GatedDeltaNet is a stock recurrent layer"):
         mb.rollout_logprobs(branch, mb.BranchTree.from_sequences([[1, 2, 3], [1, 2, 4]]))
+
+
+# ------------------------------------------------------------------ TP (gloo); CP refused
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Weights file and single-process results of the hybrid GDN model for every case."""
+    path = tmp_path_factory.mktemp("gdn") / "full.pt"
+    from megatron_branch.training import wrap_ddp
+
+    model = dist_worker.build(gdn=True)
+    torch.save(full_state(model, "param"), path)
+    model = wrap_ddp(model)
+    results = {name: dist_worker.run_case(model, batch, tree, None, "allgather", 1)
+               for name, (batch, tree) in dist_worker.trees().items()}
+    return path, results
+
+
+@pytest.mark.parametrize("layout, cases", [
+    ({"tp": 2, "cp": 1, "pp": 1, "sp": True}, [("multi_level", None, "allgather"), ("forest", None, "allgather"),
+                                               ("tiny", None, "allgather")]),
+], ids=["tp2-sp"])
+def test_tensor_parallel_trees_match_single_process(layout, cases, reference, tmp_path):
+    # GDN heads split over TP ranks, one pass as the single-process reference: the same
+    # segments, so the same float32 chunks (streaming's other chunking moves the decay
+    # gradients at float32 rounding: covered in float64 above). Decay parameters are
+    # compared against the model's gradient scale (their gradients can vanish).
+    path, ref = reference
+    ranks = dist_worker.spawn(dict(layout, gdn=True), cases, str(path), str(tmp_path), free_port())
+    for rank, res in enumerate(ranks):
+        for name, chunk, comm in cases:
+            got = res[f"{name}/{chunk}/{comm}"]
+            diffs = scaled_diffs(got["grads"], ref[name]["grads"])
+            assert max(diffs.values()) < TOL, (rank, name, chunk, max(diffs, key=diffs.get))
+            assert (got["lp"] - ref[name]["lp"]).abs().max() < TOL, (rank, name, chunk)
+
+
+def test_context_parallel_is_refused_by_name(tmp_path):
+    messages = dist_worker.spawn_run_error({"tp": 1, "cp": 2, "pp": 1, "gdn": True}, str(tmp_path), free_port())
+    assert all("context_parallel_size: layer 1 (GatedDeltaNet)" in m for m in messages), messages
+
+
+def test_tensor_parallel_without_sequence_parallel_is_refused(tmp_path):
+    messages = dist_worker.spawn_build_error({"tp": 2, "cp": 1, "pp": 1, "gdn": True}, str(tmp_path), free_port())
+    assert all("sequence_parallel: layer 1 (GatedDeltaNet)" in m for m in messages), messages

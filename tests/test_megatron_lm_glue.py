@@ -104,9 +104,27 @@ def test_branch_spec_from_args_multi_latent_attention():
     assert all(isinstance(layer.self_attention, BranchMLASelfAttention) for layer in branch.decoder.layers)
 
 
+def test_branch_spec_from_args_gated_delta_net_hybrid():
+    from megatron_branch._megatron import gdn_unavailable_reason
+    from megatron_branch.spec.builders import hybrid_config
+    from megatron_branch.spec.gdn import BranchGatedDeltaNet
+    from megatron_branch.spec.stock_hybrid import get_local_hybrid_block_spec
+
+    if gdn_unavailable_reason():
+        pytest.skip(gdn_unavailable_reason())
+    config = hybrid_config(num_layers=4, linear_attention_freq=2)
+    args = lm_args(experimental_attention_variant="gated_delta_net")
+    branch = gpt(branch_spec_from_args(args, config=config), config)
+    stock = gpt(get_local_hybrid_block_spec(config, normalization="RMSNorm"), config)
+    assert shapes(branch) == shapes(stock)
+    kinds = [type(layer.self_attention) for layer in branch.decoder.layers]
+    assert kinds[0] is BranchGatedDeltaNet and kinds[2] is BranchGatedDeltaNet
+    assert isinstance(branch.decoder.layers[1].self_attention, BranchSelfAttention)
+
+
 @pytest.mark.parametrize("overrides, flag", [
     (dict(mla_down_proj_fusion=True), "--mla-down-proj-fusion"),
-    (dict(experimental_attention_variant="gated_delta_net"), "--experimental-attention-variant"),
+    (dict(experimental_attention_variant="dsa"), "--experimental-attention-variant dsa"),
     (dict(qk_l2_norm=True), "--qk-l2-norm"),
     (dict(heterogeneous_layers_config_path="layers.json"), "--heterogeneous-layers-config-path"),
     (dict(mtp_num_layers=1), "--mtp-num-layers"),

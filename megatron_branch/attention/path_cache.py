@@ -91,7 +91,7 @@ class PathCache:
         for gk, gv in self.grad.values():
             gk[stem.lo:stem.hi].zero_()
             gv[stem.lo:stem.hi].zero_()
-        self.recurrent.release(stem.stem_id, stem.lo, stem.hi)
+        self.recurrent.release(stem.stem_id)
         self.rows_of.pop(stem.stem_id, None)
         self._written.pop(stem.stem_id, None)
 

@@ -4,9 +4,9 @@ Our own code, the recurrent counterpart of the K/V rows of
 :class:`~megatron_branch.attention.path_cache.PathCache`. For each recurrent layer (Gated
 DeltaNet) and each stem on the path it keeps
 
-* the stem's **convolution inputs**, one row per token in the same row range as the
-  stem's K/V (``[capacity, channels]`` per layer): a unit below reads the last
-  ``window - 1`` rows of the path, and
+* the stem's last ``window - 1`` **convolution inputs** (``[window - 1, channels]``):
+  a unit below reads the last ``window - 1`` inputs of the path (across stems when they
+  are short), and
 * the stem's **final recurrent state** ``[heads, d_k, d_v]``: a unit below (or the next
   stem) starts its top segments from the deepest stem's state.
 
@@ -27,60 +27,66 @@ from torch import Tensor
 
 
 class RecurrentPath:
-    """Per-layer convolution rows and per-stem final states of the stems on a path."""
+    """Per layer and stem on the path: the stem's last convolution inputs and final state."""
 
-    def __init__(self, cache):  # the PathCache that owns it (its rows, stems and capacity)
+    def __init__(self, cache):  # the PathCache that owns it (its stems and grad mode)
         self.cache = cache
-        self.rows: Dict[int, Tensor] = {}
-        self.rows_grad: Dict[int, Tensor] = {}
-        self.state: Dict[Tuple[int, int], Tensor] = {}
+        self.rows: Dict[Tuple[int, int], Tensor] = {}  # (layer, stem) -> [<= window - 1, C]
+        self.rows_grad: Dict[Tuple[int, int], Tensor] = {}
+        self.state: Dict[Tuple[int, int], Tensor] = {}  # (layer, stem) -> [H, dk, dv]
         self.state_grad: Dict[Tuple[int, int], Tensor] = {}
-        self._written: Dict[int, set] = {}  # stem id -> layers written
 
     # ----------------------------------------------------------------- writing
-    def record(self, layer_number: int, x: Tensor, rows: int, state: Tensor, stem_id: int) -> None:
-        """Stem ``stem_id``'s convolution inputs ``x [s, C]`` (first ``rows`` real) and its
-        final state ``[H, dk, dv]`` for one layer; a recompute of the stem leaves them."""
+    def record(self, layer_number: int, x: Tensor, rows: int, window: int, state: Tensor, stem_id: int) -> None:
+        """Stem ``stem_id``'s last ``window - 1`` convolution inputs (of ``x [s, C]``, first
+        ``rows`` real) and its final state ``[H, dk, dv]`` for one layer. Only what a unit
+        below can read is kept: ``O(window * C)`` per stem, whatever its length. A
+        recompute of the stem leaves them."""
         cache = self.cache
-        if layer_number in self._written.get(stem_id, ()):
+        key = (layer_number, stem_id)
+        if key in self.state:
             return
         if cache.open != stem_id:
             raise RuntimeError(f"RecurrentPath.record: stem {stem_id} is not the stem being forwarded")
         cache.open_rows = rows
-        if layer_number not in self.rows:
-            self.rows[layer_number] = x.new_empty((cache.capacity, x.shape[-1]))
-            if cache.requires_grad:
-                self.rows_grad[layer_number] = x.new_zeros((cache.capacity, x.shape[-1]), dtype=_acc_dtype(x))
-        if cache.length + rows > cache.capacity:
-            raise RuntimeError(f"PathCache: {cache.length + rows} rows exceed the planned capacity {cache.capacity}")
-        with torch.no_grad():
-            self.rows[layer_number][cache.length:cache.length + rows].copy_(x[:rows])
+        keep = min(rows, max(window - 1, 0))
+        self.rows[key] = x[rows - keep:rows].detach().clone()
         # the kernel's state dtype (float32 from Megatron's and FLA's kernels), never rounded
-        self.state[(layer_number, stem_id)] = state.detach()
+        self.state[key] = state.detach()
         if cache.requires_grad:
-            self.state_grad[(layer_number, stem_id)] = torch.zeros_like(state, dtype=_acc_dtype(state))
-        self._written.setdefault(stem_id, set()).add(layer_number)
+            self.rows_grad[key] = torch.zeros_like(self.rows[key], dtype=_acc_dtype(x))
+            self.state_grad[key] = torch.zeros_like(state, dtype=_acc_dtype(state))
 
-    def release(self, stem_id: int, lo: int, hi: int) -> None:
-        """Forget a stem whose backward has run (its rows are reused by the next stem)."""
-        for grad in self.rows_grad.values():
-            grad[lo:hi].zero_()
-        for key in [k for k in self.state if k[1] == stem_id]:
-            self.state.pop(key)
-            self.state_grad.pop(key, None)
-        self._written.pop(stem_id, None)
+    def release(self, stem_id: int) -> None:
+        """Forget a stem whose backward has run."""
+        for store in (self.rows, self.rows_grad, self.state, self.state_grad):
+            for key in [k for k in store if k[1] == stem_id]:
+                store.pop(key)
 
     # ----------------------------------------------------------------- reading
     def tail(self, layer_number: int, width: int) -> Optional[Tensor]:
-        """The last ``<= width`` convolution inputs of the path ``[r, C]`` (None: none)."""
-        cache = self.cache
-        if layer_number not in self.rows or width <= 0 or cache.length == 0:
+        """The last ``<= width`` convolution inputs of the path ``[r, C]``, deepest stem
+        last (several stems when they are short), or None."""
+        parts = []
+        have = 0
+        for stem in reversed(self.cache.stems):
+            if have >= width:
+                break
+            key = (layer_number, stem.stem_id)
+            if key not in self.rows:
+                break
+            rows = self.rows[key][-(width - have):] if width - have < self.rows[key].shape[0] else self.rows[key]
+            if rows.shape[0]:
+                parts.append(self._read(rows, key, self.rows[key].shape[0] - rows.shape[0]))
+                have += rows.shape[0]
+        if not parts:
             return None
-        lo = max(0, cache.length - width)
-        rows = self.rows[layer_number][lo:cache.length]
-        if not (cache.requires_grad and torch.is_grad_enabled()):
-            return rows.detach()
-        return _ReadRows.apply(rows.detach().requires_grad_(), self, layer_number, lo)
+        return torch.cat(parts[::-1])
+
+    def _read(self, rows: Tensor, key, offset: int) -> Tensor:
+        if not (self.cache.requires_grad and torch.is_grad_enabled()):
+            return rows
+        return _ReadRows.apply(rows.detach().requires_grad_(), self, key, offset)
 
     def path_state(self, layer_number: int) -> Optional[Tensor]:
         """The deepest stem's final state ``[H, dk, dv]``, or None."""
@@ -96,9 +102,10 @@ class RecurrentPath:
         return _ReadState.apply(state.detach().requires_grad_(), self, key)
 
     # ----------------------------------------------------------------- injecting
-    def inject_rows(self, x: Tensor, layer_number: int, stem_id: int) -> Tensor:
-        """``x [s, C]`` with the stem's accumulated row gradients added in its backward."""
-        return _InjectRows.apply(x, self, layer_number, stem_id)
+    def inject_rows(self, x: Tensor, rows: int, layer_number: int, stem_id: int) -> Tensor:
+        """``x [s, C]`` with the stem's accumulated gradients of its last inputs (before
+        row ``rows``) added in its backward."""
+        return _InjectRows.apply(x, self, (layer_number, stem_id), rows)
 
     def inject_state(self, out: Tensor, state: Tensor, layer_number: int, stem_id: int) -> Tensor:
         """``out`` unchanged; its backward also sends the stem's accumulated state gradient
@@ -106,8 +113,7 @@ class RecurrentPath:
         return _InjectState.apply(out, state, self, layer_number, stem_id)
 
     def nbytes(self) -> int:
-        rows = sum(self.cache.length * r.shape[-1] * r.element_size() for r in self.rows.values())
-        return rows + sum(s.numel() * s.element_size() for s in self.state.values())
+        return sum(t.numel() * t.element_size() for store in (self.rows, self.state) for t in store.values())
 
 
 def _acc_dtype(x: Tensor) -> torch.dtype:
@@ -117,14 +123,14 @@ def _acc_dtype(x: Tensor) -> torch.dtype:
 
 class _ReadRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows: Tensor, path: RecurrentPath, layer_number: int, lo: int):
-        ctx.path, ctx.layer, ctx.lo = path, layer_number, lo
+    def forward(ctx, rows: Tensor, path: RecurrentPath, key, offset: int):
+        ctx.path, ctx.key, ctx.offset = path, key, offset
         return rows.view_as(rows)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        acc = ctx.path.rows_grad[ctx.layer]
-        acc[ctx.lo:ctx.lo + grad.shape[0]] += grad.to(acc.dtype)
+        acc = ctx.path.rows_grad[ctx.key]
+        acc[ctx.offset:ctx.offset + grad.shape[0]] += grad.to(acc.dtype)
         return None, None, None, None
 
 
@@ -143,17 +149,16 @@ class _ReadState(torch.autograd.Function):
 
 class _InjectRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, path: RecurrentPath, layer_number: int, stem_id: int):
-        ctx.path, ctx.layer, ctx.stem_id = path, layer_number, stem_id
+    def forward(ctx, x: Tensor, path: RecurrentPath, key, rows: int):
+        ctx.path, ctx.key, ctx.rows = path, key, rows
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        path, cache = ctx.path, ctx.path.cache
-        stem = cache.rows_of.get(ctx.stem_id)
-        if stem is not None and ctx.layer in path.rows_grad:
+        acc = ctx.path.rows_grad.get(ctx.key)
+        if acc is not None and acc.shape[0]:
             grad = grad.clone()
-            grad[: stem.hi - stem.lo] += path.rows_grad[ctx.layer][stem.lo:stem.hi].to(grad.dtype)
+            grad[ctx.rows - acc.shape[0]:ctx.rows] += acc.to(grad.dtype)
         return grad, None, None, None
 
 

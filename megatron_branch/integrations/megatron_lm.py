@@ -7,7 +7,9 @@ therefore a spec that builds itself from Megatron-LM's parsed arguments the firs
 GPTModel reads it: the layer (or, for MoE layer patterns, block) spec Megatron-LM would
 have built without ``--spec`` — ``--normalization``, ``--qk-layernorm``,
 ``--num-experts``/``--moe-layer-freq``/``--moe-grouped-gemm``,
-``--transformer-impl``, ``--multi-latent-attention``, ... — with tree attention in every layer
+``--transformer-impl``, ``--multi-latent-attention``,
+``--experimental-attention-variant gated_delta_net`` with ``--linear-attention-freq``, ... —
+with tree attention in every attention layer and the tree recurrence in every Gated DeltaNet layer
 (:func:`megatron_branch.spec.apply_branch_attention`), and for MoE the routers that keep
 naive-batch statistics (:func:`megatron_branch.spec.moe.apply_branch_moe`). Model dimensions (``--kv-channels``
 and the rest) live in the ``TransformerConfig``, which Megatron-LM builds as usual.
@@ -22,12 +24,14 @@ from typing import Any, Optional
 from megatron_branch._deps import HAVE_TE
 from megatron_branch._megatron import (
     ModuleSpec,
+    get_transformer_block_with_experimental_attention_variant_spec,
     TransformerBlock,
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron_branch.spec import apply_branch_attention, apply_branch_moe, get_branch_layer_spec
+from megatron_branch.spec.stock_hybrid import get_local_hybrid_block_spec
 
 
 def branch_spec_from_args(args, config=None, vp_stage: Optional[int] = None):
@@ -41,12 +45,16 @@ def branch_spec_from_args(args, config=None, vp_stage: Optional[int] = None):
 
     Raises:
         ValueError: options the branch spec cannot honour exactly (experimental
-            attention variants, ``--mla-down-proj-fusion``, ``--qk-l2-norm``, heterogeneous
+            attention variants other than ``gated_delta_net``, ``--mla-down-proj-fusion``,
+            ``--qk-l2-norm``, heterogeneous
             layers, multi-token prediction, attention dropout, ``--attention-backend
             local``, ``--transformer-impl`` other than ``local``/``transformer_engine``).
     """
-    for flag, what in (("experimental_attention_variant", "--experimental-attention-variant"),
-                       ("mla_down_proj_fusion", "--mla-down-proj-fusion"),
+    variant = getattr(args, "experimental_attention_variant", None)
+    if variant not in (None, "gated_delta_net"):
+        raise ValueError(f"--experimental-attention-variant {variant}: not supported by the branch spec "
+                         "(gated_delta_net is)")
+    for flag, what in (("mla_down_proj_fusion", "--mla-down-proj-fusion"),
                        ("qk_l2_norm", "--qk-l2-norm"),
                        ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path"),
                        # gpt_builder builds MTP layers from Megatron's stock layer specs
@@ -70,7 +78,19 @@ def branch_spec_from_args(args, config=None, vp_stage: Optional[int] = None):
         if not HAVE_TE:
             raise ValueError("--transformer-impl transformer_engine: Transformer Engine is not importable "
                              "here; pass --transformer-impl local")
-    if getattr(args, "num_experts", None):
+    if variant == "gated_delta_net":
+        # Qwen3-Next / Qwen3.5 layout: GDN and attention layers from --linear-attention-freq
+        if config is None:
+            # Megatron-LM is an optional checkout, importable only inside its own runs
+            from megatron.training.arguments import core_transformer_config_from_args
+
+            config = core_transformer_config_from_args(args)
+        if use_te:
+            base = get_transformer_block_with_experimental_attention_variant_spec(config, vp_stage=vp_stage)
+        else:
+            base = get_local_hybrid_block_spec(config, normalization=args.normalization,
+                                               qk_layernorm=args.qk_layernorm)
+    elif getattr(args, "num_experts", None):
         if config is None:
             # Megatron-LM is an optional checkout, importable only inside its own runs
             from megatron.training.arguments import core_transformer_config_from_args

@@ -15,7 +15,8 @@ Streaming replay keeps each stem's final state and last convolution inputs per l
 in the path cache and injects their accumulated gradients with the stem's backward,
 as for attention's K/V. Refused (``ValueError`` naming the layer and option): context
 parallelism (the stock layer exchanges heads across CP ranks for a linear sequence; a
-tree split has no state exchange yet).
+tree split has no state exchange yet) and tensor parallelism without sequence
+parallelism (the shared ``out_norm`` weight's gradient would be one rank's share).
 """
 
 from __future__ import annotations
@@ -37,6 +38,14 @@ class BranchGatedDeltaNet(GatedDeltaNet if GatedDeltaNet is not None else _NoGat
         if reason:
             raise ValueError(f"experimental_attention_variant: {reason}")
         super().__init__(config, *args, **kwargs)
+        if self.tp_size > 1 and not config.sequence_parallel:
+            # out_norm normalises each head with one weight shared by all heads; under TP a rank
+            # sees its heads only, and finalize_model_grads sums norm gradients over TP only for
+            # sequence-parallel norms: without SP the weight's gradient is one rank's share
+            # (measured, TP=2: 0.52 relative error in out_norm.weight; with SP exact)
+            raise ValueError(f"sequence_parallel: layer {self.layer_number} (GatedDeltaNet) under "
+                             "tensor_model_parallel_size > 1 needs sequence_parallel=True (megatron-core sums "
+                             "its out_norm gradient over TP ranks only then)")
 
     def forward(self, hidden_states, attention_mask, inference_context=None, packed_seq_params=None,
                 sequence_len_offset=None, *, inference_params=None, **kwargs):
@@ -74,7 +83,7 @@ class BranchGatedDeltaNet(GatedDeltaNet if GatedDeltaNet is not None else _NoGat
         stem = params.stem_id
         x = qkv[0]  # [U, conv_dim] convolution inputs
         if stem is not None and params.inject:
-            x = path.inject_rows(x, self.layer_number, stem)
+            x = path.inject_rows(x, params.num_real, self.layer_number, stem)
         tail = path.tail(self.layer_number, window - 1) if path is not None else None
         initial = path.path_state(self.layer_number) if path is not None else None
         rows = 0 if tail is None else tail.shape[0]
@@ -89,7 +98,7 @@ class BranchGatedDeltaNet(GatedDeltaNet if GatedDeltaNet is not None else _NoGat
                                  initial_state=initial)
         if stem is not None:
             final = finals[self._stem_segment(params)]
-            path.record(self.layer_number, x, params.num_real, final, stem)
+            path.record(self.layer_number, x, params.num_real, window, final, stem)
             if params.inject:
                 core = path.inject_state(core, final, self.layer_number, stem)
         core = core[None]

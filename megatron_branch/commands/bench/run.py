@@ -48,7 +48,8 @@ from megatron_branch.distributed import init_distributed
 from megatron_branch.flops import ModelShape, causal_pairs, step_flops
 from megatron_branch.peak_memory import PeakMemory
 from megatron_branch.reference.agreement import compare_grads, grads
-from megatron_branch.spec.builders import build_gpt, llama_config
+from megatron_branch._megatron import gdn_unavailable_reason
+from megatron_branch.spec.builders import build_gpt, hybrid_config, llama_config
 from megatron_branch.tree import BranchTree
 
 SCHEMA_VERSION = 2
@@ -64,6 +65,7 @@ class Shape:
     segment_lengths: List[int]
     distinct_roots: bool = False  # first tokens all different: nothing is shared
     moe: bool = False  # run on the Mixture-of-Experts model (BenchConfig.moe_experts, moe_topk)
+    hybrid: bool = False  # run on the Gated DeltaNet hybrid model (GDN, attention, ...; megatron-core >= 0.19)
 
     def batch(self, vocab: int, seed: int) -> RolloutBatch:
         batch = branching_rollouts(self.prompt_lengths, self.branching, self.segment_lengths, vocab, seed=seed)
@@ -109,6 +111,7 @@ class BenchConfig:
             Shape("16x(4096+96)", [4096], [16], [96]),
             Shape("no sharing 16x1024", [512] * 16, [1], [512], distinct_roots=True),
             Shape("MoE 8x top-2, G=16 p/r=16", [16 * resp], [16], [resp], moe=True),
+            Shape("GDN hybrid, G=16 p/r=16", [16 * resp], [16], [resp], hybrid=True),
         ]
         peer_shapes = [Shape("G=16 1024+64", [1024], [16], [64]),
                        Shape("2 prompts, G=8 512+128", [512] * 2, [8], [128])]
@@ -129,6 +132,7 @@ class BenchConfig:
             Shape("agentic forest 2x32, 3 turns x8, 4-way", [32] * 2, [4, 4, 4], [8, 8, 8]),
             Shape("no sharing 16x256", [128] * 16, [1], [128], distinct_roots=True),
             Shape("MoE 8x top-2, G=16 p/r=16", [16 * resp], [16], [resp], moe=True),
+            Shape("GDN hybrid, G=16 p/r=16", [16 * resp], [16], [resp], hybrid=True),
         ]
         return cls(hidden_size=128, num_attention_heads=4, num_query_groups=2, vocab_size=256,
                    chunk_tokens=256, repeats=3, shapes=shapes, threads=1, profile_shapes=["G=16 p/r=16"],
@@ -150,16 +154,21 @@ def _loss(batch: RolloutBatch):
     return loss_fn
 
 
-def _models(cfg: BenchConfig, moe: bool = False) -> Dict[str, torch.nn.Module]:
+def _models(cfg: BenchConfig, moe: bool = False, hybrid: bool = False) -> Dict[str, torch.nn.Module]:
     moe_kwargs, spec = {}, {}
     if moe:  # same active FFN width as the dense model: top-k experts of width ffn / k
         moe_kwargs = dict(num_moe_experts=cfg.moe_experts, moe_router_topk=cfg.moe_topk,
                           moe_ffn_hidden_size=3 * cfg.hidden_size // cfg.moe_topk, moe_aux_loss_coeff=0.01,
                           moe_z_loss_coeff=1e-3, moe_token_dispatcher_type="allgather")
         spec = {"num_experts": cfg.moe_experts, "moe_grouped_gemm": False}
-    config = llama_config(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
-                          num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
-                          **moe_kwargs)
+    dims = dict(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+                num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups)
+    if hybrid:  # GDN and attention layers alternating, GDN heads of the attention head size
+        head = cfg.hidden_size // cfg.num_attention_heads
+        config = hybrid_config(**dims, linear_attention_freq=2, linear_key_head_dim=head, linear_value_head_dim=head,
+                               linear_num_key_heads=cfg.num_query_groups, linear_num_value_heads=cfg.num_attention_heads)
+    else:
+        config = llama_config(**dims, **moe_kwargs)
     models = {b: build_gpt(config, cfg.vocab_size, spec_kwargs={"backend": b, **spec}, seed=cfg.seed)
               for b in ("cascade", "dense", "repeat_kv")}
     state = models["cascade"].state_dict()
@@ -168,11 +177,18 @@ def _models(cfg: BenchConfig, moe: bool = False) -> Dict[str, torch.nn.Module]:
     return models
 
 
-def _flop_shape(config, vocab: int) -> ModelShape:
-    """FLOP shape; a MoE counts the FFN width a token runs through (top-k experts)."""
+def _flop_shape(config, vocab: int, model=None) -> ModelShape:
+    """FLOP shape; a MoE counts the FFN width a token runs through (top-k experts); a
+    hybrid counts its decoder layers' matmul weights and its attention layers."""
     shape = ModelShape.from_config(config, vocab)
     if config.num_moe_experts:
         shape = replace(shape, ffn_hidden_size=config.moe_router_topk * config.moe_ffn_hidden_size)
+    if getattr(config, "experimental_attention_variant", None) == "gated_delta_net" and model is not None:
+        layers = model.decoder.layers
+        weights = sum(p.numel() for layer in layers for n, p in layer.named_parameters()
+                      if p.dim() == 2 and not n.endswith("norm.weight"))
+        attention = sum(1 for layer in layers if not hasattr(layer.self_attention, "gated_delta_rule"))
+        shape = replace(shape, attention_layers=attention, decoder_linear_params=weights)
     return shape
 
 
@@ -200,7 +216,7 @@ def run_bench(cfg: BenchConfig, methods: Optional[List[str]] = None, echo=print)
 
 
 def _run_bench(cfg: BenchConfig, methods: Optional[List[str]], echo) -> dict:
-    kinds: Dict[bool, Dict[str, torch.nn.Module]] = {}
+    kinds: Dict[tuple, Dict[str, torch.nn.Module]] = {}
     per_shape = 1 + cfg.repeats
     report = {"schema_version": SCHEMA_VERSION, "config": asdict(cfg), "torch_threads": torch.get_num_threads(),
               "device": "cpu", "shapes": []}
@@ -208,10 +224,15 @@ def _run_bench(cfg: BenchConfig, methods: Optional[List[str]], echo) -> dict:
     started = time.perf_counter()
     with Progress(len(cfg.shapes) * per_shape, "bench") as bar:
         for shape in cfg.shapes:
-            if shape.moe not in kinds:
-                kinds[shape.moe] = _models(cfg, shape.moe)
-            models = kinds[shape.moe]
-            shape_m = _flop_shape(models["cascade"].config, cfg.vocab_size)
+            if shape.hybrid and gdn_unavailable_reason():
+                report.setdefault("skipped_shapes", []).append({"shape": shape.name, "skipped": gdn_unavailable_reason()})
+                bar.update(f"{shape.name}: skipped", per_shape)
+                continue
+            kind = (shape.moe, shape.hybrid)
+            if kind not in kinds:
+                kinds[kind] = _models(cfg, *kind)
+            models = kinds[kind]
+            shape_m = _flop_shape(models["cascade"].config, cfg.vocab_size, models["cascade"])
             batch = shape.batch(cfg.vocab_size, cfg.seed)
             loss_fn = _loss(batch)
             prepared = prepare_methods(models, batch, loss_fn, cfg.chunk_tokens, methods, cfg.dense_max_score_bytes)
@@ -312,6 +333,8 @@ def format_table(report: dict) -> str:
                 f"{(100 * r['fraction_of_ideal']['median'] if sp else 0):>7.0f}%{r['flops'] / 1e9:>8.1f}"
                 f"{r['peak_memory_bytes'] / 2**20:>9.1f}{r['max_rel_grad_diff']:>10.1e}"
             )
+    for s in report.get("skipped_shapes", []):
+        lines.append(f"\n{s['shape']}: skipped: {s['skipped']}")
     lines.append("\nkernels: " + "; ".join(f"{r['method']}: {r['kernel']}" for r in report["shapes"][0]["methods"]))
     if report.get("profile"):
         lines.append(format_profile(report["profile"]))
