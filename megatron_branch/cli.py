@@ -64,7 +64,7 @@ INPUTS: Dict[str, Tuple[Tuple[str, str], ...]] = {
 # Integer flags that must be >= 1 when given (bench-scale checks its own).
 POSITIVE: Dict[str, Tuple[str, ...]] = {
     "demo": ("repeats",),
-    "bench": ("repeats", "chunk_tokens"),
+    "bench": ("repeats", "chunk_tokens", "threads", "hidden", "heads", "kv_groups"),
     "plan": ("gpus", "rollouts", "response_len", "prompts", "naive_positions"),
 }
 
@@ -116,6 +116,18 @@ def preflight(command: str, args: argparse.Namespace) -> None:
         (check_output_file if kind == "file" else check_output_dir)(_flag(dest), value)
     if command == "plan":
         _preflight_plan(args)
+    if command == "bench":
+        _preflight_bench(args)
+
+
+def _preflight_bench(args) -> None:
+    # the full config's defaults (the quick one's are the same widths)
+    hidden, heads = getattr(args, "hidden", None) or 128, getattr(args, "heads", None) or 4
+    groups = getattr(args, "kv_groups", None) or min(2, heads)
+    if hidden % heads:
+        raise ValueError(f"--heads {heads} does not divide --hidden {hidden}")
+    if heads % groups:
+        raise ValueError(f"--kv-groups {groups} does not divide --heads {heads}")
 
 
 def _preflight_plan(args) -> None:

@@ -26,15 +26,18 @@ def _check_spread(d):
 
 
 def test_tiny_bench_report(tmp_path):
+    from megatron_branch.commands.bench.methods import naive_micro_batches
+
     report = run_bench(tiny_config(profile_shapes=["G=4"]), echo=lambda *_: None)
     assert report["schema_version"] == 2
+    assert report["torch_version"] and report["machine"]["cpus"] >= 1  # what the timings ran on
     assert len(report["shapes"]) == 3
     for shape in report["shapes"]:
         assert shape["unique_positions"] < shape["naive_positions"]
         assert shape["ideal_flop_ratio"] > 1
         rows = {r["method"]: r for r in shape["methods"]}
         num = shape["rollouts"]
-        sweep = {f"naive_mb{k}" for k in sorted({1, 2, 4, num})}
+        sweep = {f"naive_mb{k}" for k in naive_micro_batches(num)}
         assert set(rows) == TREE_METHODS | sweep, set(rows)
         assert shape["naive_reference"] in sweep
         # the reference is the fastest naive micro-batching by median time
@@ -148,6 +151,22 @@ def test_bench_cli_help():
     proc = subprocess.run([sys.executable, "-m", "megatron_branch.cli", "bench", "--help"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "--quick" in proc.stdout
+    assert all(flag in proc.stdout for flag in ("--threads", "--hidden", "--heads", "--kv-groups"))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--threads", "0"], "--threads: must be >= 1, got 0"),
+    (["--hidden", "-4"], "--hidden: must be >= 1, got -4"),
+    (["--heads", "3"], "--heads 3 does not divide --hidden 128"),
+    (["--hidden", "256", "--heads", "8", "--kv-groups", "3"], "--kv-groups 3 does not divide --heads 8"),
+])
+def test_bench_bad_model_flags_are_one_line_before_anything_runs(flags, message, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "megatron_branch.cli", "bench", "--out", str(tmp_path / "o"), *flags],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert not (tmp_path / "o").exists()  # nothing ran
 
 
 def test_bench_cp_tiny():
@@ -213,3 +232,12 @@ def test_gdn_hybrid_shape_is_exact_and_reports_the_ideal_ratio():
     for r in rows.values():
         assert r["max_rel_grad_diff"] < 1e-3, r  # float32 chunk kernel: vanishing decay gradients move at rounding
     assert "GDN hybrid" in format_table(report)
+
+
+def test_naive_sweep_tries_every_power_of_two_and_the_whole_group():
+    from megatron_branch.commands.bench.methods import naive_micro_batches
+
+    assert naive_micro_batches(32) == [1, 2, 4, 8, 16, 32]
+    assert naive_micro_batches(12) == [1, 2, 4, 8, 12]
+    assert naive_micro_batches(1) == [1]
+    assert naive_micro_batches(16, moe=True) == [16]

@@ -132,10 +132,12 @@ def make_naive_forward_step(loss_fn, sequences: Sequence, forward_only: bool = F
     return forward_step
 
 
-def naive_moe_logprobs(model, sequences: Sequence) -> Tensor:
+def naive_moe_logprobs(model, sequences: Sequence, *, fused_causal: bool = False) -> Tensor:
     """``[R, max_len - 1]`` log-probs of the naive MoE batch: every rollout one sequence of a
     right-padded batch with Megatron's MoE ``padding_mask`` (True = padding), so the router
-    statistics count exactly the rollouts' tokens. Use a stock-spec model."""
+    statistics count exactly the rollouts' tokens. Use a stock-spec model, or with
+    ``fused_causal`` a branch-spec model: no mask tensor, the layer's causal mask type runs
+    torch's fused ``is_causal`` SDPA (the benchmarks' fair naive)."""
     seqs = [torch.as_tensor(s, dtype=torch.long) for s in sequences]
     device = next(model.parameters()).device
     lengths = torch.tensor([s.numel() for s in seqs], device=device)
@@ -145,7 +147,7 @@ def naive_moe_logprobs(model, sequences: Sequence) -> Tensor:
         ids[i, : s.numel()] = s.to(device)
     pos = torch.arange(width, device=device)
     padding = pos[None, :] >= lengths[:, None]  # [b, s]
-    mask = torch.ones(width, width, dtype=torch.bool, device=device).triu(1)[None, None]
+    mask = None if fused_causal else torch.ones(width, width, dtype=torch.bool, device=device).triu(1)[None, None]
     kwargs = {"padding_mask": padding} if bool(padding.any()) else {}
     logits = model(ids, pos[None].expand(len(seqs), -1), attention_mask=mask, **kwargs)
     lp = token_logprobs(logits[:, :-1], ids[:, 1:])

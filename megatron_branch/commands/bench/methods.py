@@ -14,7 +14,9 @@ CPU flash kernel through SDPA or the cascade's piece calls), so ratios measure m
 * ``prompt_once``: prompts computed once, their K/V copied for every rollout inside
   attention (our re-implementation of Prefix Grouper's scheme; one level of sharing —
   the real ``prefix_grouper`` package is compared in :mod:`megatron_branch.commands.bench.peer`).
-* ``dense_tree``: the full tree with a dense ``[U, U]`` mask (AReaL's Megatron path).
+* ``dense_tree``: the full tree with a dense ``[U, U]`` mask: a float32 ``[heads, U, U]``
+  score tensor and a plain softmax (the dense-mask reference; AReaL runs tree attention
+  through FlexAttention with a block mask, which this is not).
 * ``ours``: the full tree, cascade attention, one packed pass.
 * ``ours_stream``: the full tree, streaming replay with a bounded chunk.
 
@@ -52,7 +54,6 @@ class Prepared:
     skipped: str = ""
 
 
-NAIVE_MICRO_BATCHES = (1, 2, 4, None)  # None: all rollouts in one batch
 
 
 def causal_logprobs(model, sequences: List[torch.Tensor], width: int) -> torch.Tensor:
@@ -67,7 +68,8 @@ def naive_micro_batches(num: int, moe: bool = False) -> List[int]:
     load-balancing statistics are per batch and micro-batches would change the loss)."""
     if moe:
         return [num]
-    return sorted({min(k or num, num) for k in NAIVE_MICRO_BATCHES})
+    # every power of two below the group and the whole group: the naive side gets its best
+    return sorted({k for k in (2 ** i for i in range(num.bit_length())) if k < num} | {num})
 
 
 def prepare_methods(
@@ -109,7 +111,7 @@ def prepare_methods(
     def naive_step(k):
         def run():
             if moe:
-                loss_fn(naive_logprobs(models["cascade"], seqs), all_ids).backward()
+                loss_fn(naive_logprobs(models["cascade"], seqs, fused_causal=True), all_ids).backward()
                 return
             for lo in range(0, num, k):
                 ids = all_ids[lo: lo + k]
@@ -123,7 +125,7 @@ def prepare_methods(
     heads = models["dense"].config.num_attention_heads
     dense_bytes = 4 * heads * tree.unique_positions**2
     dense_ok = dense_bytes <= dense_max_score_bytes
-    kernel = "SDPA fused causal (padded batch)" if moe else "SDPA fused is_causal (right-padded micro-batches)"
+    kernel = "SDPA fused is_causal (padded batch)" if moe else "SDPA fused is_causal (right-padded micro-batches)"
     methods = []
     for k in naive_micro_batches(num, moe):
         chunks = [batch.lengths[lo: lo + k] for lo in range(0, num, k)]

@@ -63,6 +63,11 @@ def sdpa_varlen_attention(module, query, key, value, attention_mask, scaling=Non
     if attention_mask is None:
         attention_mask = torch.ones(b, sk, dtype=torch.bool, device=query.device)
     kv_ok = attention_mask.bool()
+    if sq == sk and bool(kv_ok.all()):
+        # nothing padded: plain causal attention, torch's fused is_causal kernel (as flash-attn's would be)
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                             enable_gqa=key.shape[1] != h)
+        return out.transpose(1, 2).contiguous(), None
     q_ok = kv_ok[:, -sq:]
     k_rank = kv_ok.long().cumsum(1) - 1
     q_rank = q_ok.long().cumsum(1) - 1

@@ -219,7 +219,7 @@ def _run_bench(cfg: BenchConfig, methods: Optional[List[str]], echo) -> dict:
     kinds: Dict[tuple, Dict[str, torch.nn.Module]] = {}
     per_shape = 1 + cfg.repeats
     report = {"schema_version": SCHEMA_VERSION, "config": asdict(cfg), "torch_threads": torch.get_num_threads(),
-              "device": "cpu", "shapes": []}
+              "torch_version": torch.__version__, "machine": _machine(), "device": "cpu", "shapes": []}
     prepared_by_shape = {}
     started = time.perf_counter()
     with Progress(len(cfg.shapes) * per_shape, "bench") as bar:
@@ -274,6 +274,12 @@ def _run_bench(cfg: BenchConfig, methods: Optional[List[str]], echo) -> dict:
         report["thd"] = run_thd(_models(cfg)["cascade"], cfg.vocab_size, cfg.thd_shapes, cfg.repeats, echo=echo)
     report["seconds_total"] = time.perf_counter() - started
     return report
+
+
+def _machine() -> dict:
+    """What the timings ran on: CPUs and their load when the run started (1/5/15 min)."""
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {"cpus": os.cpu_count(), "load_average": list(load) if load else None}
 
 
 def _summarise(shape, batch, prepared, times, memory, diffs, shape_m) -> dict:
@@ -407,6 +413,13 @@ def main(args) -> int:
         cfg.chunk_tokens = args.chunk_tokens
     if args.threads:
         cfg.threads = args.threads
+    if args.hidden:
+        cfg.hidden_size = args.hidden
+    if args.heads:
+        cfg.num_attention_heads = args.heads
+        cfg.num_query_groups = min(cfg.num_query_groups, args.heads)
+    if args.kv_groups:
+        cfg.num_query_groups = args.kv_groups
     if args.peer is not None:
         cfg.peer = args.peer
     if args.profile is False:
@@ -422,13 +435,6 @@ def main(args) -> int:
     return 0
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def add_arguments(parser) -> None:
     parser.add_argument("--quick", action="store_true", help="small model and shapes (about 2 minutes on 2 cores)")
     parser.add_argument("--out", default="bench_out", help="directory for bench.json and bench.png")
@@ -438,8 +444,12 @@ def add_arguments(parser) -> None:
                         choices=["naive", "packed", "prompt_once", "dense_tree", "ours", "ours_stream"],
                         help="subset of methods (naive, the micro-batch sweep, is the reference and should be "
                              "included)")
-    parser.add_argument("--threads", type=_positive, default=None,
+    parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (1 steadies timings on a machine shared with other jobs)")
+    parser.add_argument("--hidden", type=int, default=None, help="model width (default 128)")
+    parser.add_argument("--heads", type=int, default=None, help="attention heads; must divide --hidden (default 4)")
+    parser.add_argument("--kv-groups", type=int, default=None,
+                        help="key/value groups (GQA); must divide --heads (default 2)")
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=None,
                         help="the prefix_grouper comparison on a Hugging Face Llama (default: on)")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None,
