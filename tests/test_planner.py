@@ -8,13 +8,16 @@ import pytest
 
 from megatron_branch.commands.planner.estimate import GB, Layout, Workload, memory_per_gpu, stage_params, step_flops
 from megatron_branch.commands.planner.memory import (
+    LAYER_ELEMS,
     cache_bytes,
+    gdn_layer_elems,
     kv_widths,
+    recurrent_state_bytes,
     replay_peak_bytes,
     replay_peak_parts,
     workload_tree,
 )
-from megatron_branch.commands.planner.plan import plan
+from megatron_branch.commands.planner.plan import candidate_layouts, plan
 from megatron_branch.commands.planner.presets import GPUS, MODELS, ModelSpec, model_from_hf_config
 
 TINY = ModelSpec("tiny", num_layers=2, hidden_size=8, num_attention_heads=2, num_kv_heads=1,
@@ -71,7 +74,8 @@ def test_every_parameter_is_counted_per_pipeline_stage():
 
 # Published sizes (model cards; one or two significant decimals, so 1% for the totals).
 PUBLISHED = {"Llama-3-8B": 8.03e9, "Qwen2.5-7B": 7.61e9, "Qwen3-8B": 8.2e9, "Qwen2.5-14B": 14.7e9,
-             "Qwen2.5-32B": 32.5e9, "Qwen3-30B-A3B": 30.5e9, "DeepSeek-V3": 671e9}
+             "Qwen2.5-32B": 32.5e9, "Qwen3-30B-A3B": 30.5e9, "DeepSeek-V3": 671e9, "Qwen3-Next-80B-A3B": 80e9,
+             "Qwen3.5-397B-A17B": 397e9}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -308,3 +312,145 @@ def test_mla_preset_from_hf_config_and_cli(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "FITS" in proc.stdout and "37.6B active" in proc.stdout
     assert "uncompressed K (128 x 192) and V (128 x 128)" in proc.stdout
+
+
+# hybrid Gated DeltaNet by hand: 4 layers (3 GDN, then attention), GDN 2 key heads of 3, 4 value
+# heads of 2, convolution of 3 taps; gated attention of 2 heads of 4 over 1 KV head
+TINY_GDN = ModelSpec("tiny-gdn", num_layers=4, hidden_size=8, num_attention_heads=2, num_kv_heads=1,
+                     ffn_hidden_size=16, vocab_size=10, attention_output_gate=True,
+                     linear_attention_pattern=(1, 1, 1, 0), linear_num_key_heads=2, linear_num_value_heads=4,
+                     linear_key_head_dim=3, linear_value_head_dim=2, linear_conv_kernel_dim=3)
+
+
+def test_gdn_params_flops_and_activations_by_hand():
+    m = TINY_GDN
+    assert m.is_hybrid and m.gdn_layers == 3 and m.attention_layers == 1
+    # qk_dim 2*3 = 6, v_dim 4*2 = 8; conv over q, k, v: 6+6+8 = 20; in_proj [q; k; v; z; beta; alpha]: 6+6+8+8+4+4
+    assert (m.gdn_qk_dim, m.gdn_v_dim, m.gdn_conv_dim, m.gdn_in_proj_dim) == (6, 8, 20, 36)
+    # in_proj 8*36, conv 20*3, A_log + dt_bias 2*4, out_norm 2, out_proj 8*8
+    gdn = 288 + 60 + 8 + 2 + 64
+    # q 8*8, its gate 8*8, k/v 2*8*4, o 8*8
+    attention = 64 + 64 + 64 + 64
+    mlp_norms = 3 * 8 * 16 + 16
+    assert m.params_per_layer() == attention + mlp_norms
+    assert m.num_params() == 3 * (gdn + mlp_norms) + (attention + mlp_norms) + 2 * 10 * 8 + 8
+    assert [m.layer_params(i)[0] for i in range(4)] == [gdn + mlp_norms] * 3 + [attention + mlp_norms]
+    # PP: each stage's layers, the embedding on the first, the output layer and final norm on the last
+    assert stage_params(m, Layout(1, 1, 1, 1, 64, "none", False))["total"] == m.num_params()
+    assert m.stage_mixers(2) == [(0, 2), (1, 1)]
+    two = stage_params(m, Layout(1, 1, 2, 1, 64, "none", False))
+    assert two["total"] == max(2 * (gdn + mlp_norms) + 80, (gdn + mlp_norms) + (attention + mlp_norms) + 80 + 8)
+    # FLOPs: the weights of every layer, attention over the one attention layer only, and the
+    # recurrence linear in the positions: 3 (fwd + bwd) x 8 x heads x d_k x d_v per token and GDN layer
+    fl = step_flops(m, positions=5, pairs=7)
+    assert fl["linear"] == 6 * 5 * (3 * (gdn + mlp_norms - 16) + (attention + mlp_norms - 16) + 80)
+    assert fl["attention"] == 6 * 7 * (4 + 4) * 2 * 1
+    assert fl["recurrence"] == 3 * 5 * 8 * (4 * 3 * 2) * 3
+    assert step_flops(MODELS["Llama-3-8B"], positions=5, pairs=7)["recurrence"] == 0
+    # saved activations of a GDN layer: the fitted hidden and MLP terms, 4 x the in_proj width
+    a_h, _, a_f = LAYER_ELEMS
+    assert gdn_layer_elems(m) == pytest.approx(a_h * 8 + 4.0 * 36 + a_f * 16)
+    assert gdn_layer_elems(m, tp=2) == pytest.approx(gdn_layer_elems(m) / 2)
+
+
+def test_hybrid_path_cache_holds_kv_of_attention_layers_and_a_state_per_stem():
+    m = MODELS["Qwen3-Next-80B-A3B"]
+    assert m.attention_layers == 12 and m.gdn_layers == 36 and m.linear_attention_pattern[:4] == (1, 1, 1, 0)
+    # per token: K and V of 2 KV heads x 256 in the 12 attention layers only (bf16)
+    assert kv_widths(m) == (2 * 256, 2 * 256)
+    assert cache_bytes(m, 1, tp=1, layers=m.attention_layers, act_bytes=2, exact=False) == 12 * 2 * 512 * 2
+    # per stem and GDN layer: the state 32 x 128 x 128 in float32, and the last 4 - 1 convolution
+    # inputs of 2*16*128 + 32*128 = 8192 channels at the activation width (bf16) ...
+    state, conv = 32 * 128 * 128 * 4, 3 * (2 * 16 * 128 + 32 * 128) * 2
+    assert recurrent_state_bytes(m, 1, layers=1, act_bytes=2, exact=False) == state + conv == 2_146_304
+    # ... and float32 gradient accumulators of both in exact replay; TP splits heads and channels
+    exact = state * 2 + 3 * 8192 * (2 + 4)
+    assert recurrent_state_bytes(m, 1, layers=1, act_bytes=2) == exact
+    assert recurrent_state_bytes(m, 3, tp=2, layers=36, act_bytes=2) == 3 * 36 * exact / 2
+    # through the plan's memory function: the replay plan of test_params_memory_and_flops_by_hand
+    # (one 40-token stem); the K/V grow with the stem, the recurrent state does not
+    lay = Layout(1, 1, 1, 1, 40, "none", False)
+    mem = memory_per_gpu(m, Workload(50, 2, 5), lay, act_bytes=2)
+    assert mem["stem_kv_cache"] == 40 * 12 * (512 + 512) * (2 + 4)
+    assert mem["stem_gdn_state"] == 1 * 36 * exact
+    longer = memory_per_gpu(m, Workload(75, 2, 5), Layout(1, 1, 1, 1, 70, "none", False), act_bytes=2)
+    assert longer["stem_kv_cache"] > mem["stem_kv_cache"] and longer["stem_gdn_state"] == mem["stem_gdn_state"]
+    # two stems on the path (a 90-token prompt in 40-token chunks): two states per GDN layer
+    assert memory_per_gpu(m, Workload(90, 2, 5), lay)["stem_gdn_state"] == 2 * 36 * exact
+    # a model without GDN layers has no such part (its numbers are unchanged)
+    assert "stem_gdn_state" not in memory_per_gpu(MODELS["Llama-3-8B"], Workload(50, 2, 5), lay)
+
+
+def test_hybrid_models_are_never_planned_with_context_parallelism():
+    m, w = MODELS["Qwen3-Next-80B-A3B"], Workload(131072, 16, 3072)
+    layouts = candidate_layouts(m, w, 8)
+    assert layouts and {lay.cp for lay in layouts} == {1}
+    assert {lay.tp for lay in layouts} <= {1, 2}  # 2 KV heads
+    assert any(lay.cp > 1 for lay in candidate_layouts(MODELS["Qwen3-30B-A3B"], w, 8))
+    with pytest.raises(ValueError, match="refuses under context parallelism"):
+        replay_peak_parts(m, workload_tree(60, 3, 7), chunk_tokens=32, cp=2)
+    # 32 GPUs, one prompt: no DP, no CP -> TP x PP reach 16 at most; the error says why
+    with pytest.raises(ValueError, match="CP fixed at 1.*DP must divide the 1 prompt"):
+        plan(m, w, GPUS["H200"], 32)
+    result = plan(m, Workload(131072, 16, 3072, num_prompts=2), GPUS["H20"], 32)
+    assert result["fits"] and result["best"]["layout"]["cp"] == 1 and result["best"]["layout"]["dp"] == 2
+    assert any("refuses context parallelism" in c for c in result["constraints"])
+
+
+def test_hybrid_headline_plan_cli():
+    """The headline workload on 8 x H20 for Qwen3-Next-80B-A3B: an 80B-parameter model's
+    weights, gradients and Adam state alone exceed 8 x 96 GB, so it does not fit; the plan says so."""
+    proc = subprocess.run([sys.executable, "-m", "megatron_branch.cli", "plan", "--model", "Qwen3-Next-80B-A3B",
+                           "--gpu", "H20", "--gpus", "8", "--prompt-len", "131072", "--rollouts", "16",
+                           "--response-len", "3072"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = proc.stdout
+    assert "DOES NOT FIT" in out and "largest part: optimizer" in out and " CP=1 " in out
+    assert "36 Gated DeltaNet + 12 attention layers" in out and "stem_gdn_state" in out
+    assert "refuses context parallelism" in out and "sequence parallelism" in out
+
+
+QWEN3_NEXT_CONFIG = {  # Qwen/Qwen3-Next-80B-A3B-Instruct config.json, the fields the planner reads
+    "model_type": "qwen3_next", "num_hidden_layers": 48, "hidden_size": 2048, "num_attention_heads": 16,
+    "num_key_value_heads": 2, "head_dim": 256, "intermediate_size": 5120, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512, "num_experts": 512, "num_experts_per_tok": 10, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "full_attention_interval": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "partial_rotary_factor": 0.25, "vocab_size": 151936, "tie_word_embeddings": False,
+}
+
+
+def test_hybrid_presets_from_hf_config(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(QWEN3_NEXT_CONFIG))
+    spec = model_from_hf_config(str(cfg))
+    preset = MODELS["Qwen3-Next-80B-A3B"]
+    assert spec.num_params() == preset.num_params() and spec.active_params() == preset.active_params()
+    assert spec.linear_attention_pattern == preset.linear_attention_pattern and spec.attention_output_gate
+    # layer_types, when given, is the pattern
+    types = ["linear_attention", "full_attention"] * 24
+    cfg.write_text(json.dumps(dict(QWEN3_NEXT_CONFIG, layer_types=types)))
+    assert model_from_hf_config(str(cfg)).linear_attention_pattern == (1, 0) * 24
+    # Qwen3.5: a multimodal config whose text_config is the decoder (attn_output_gate named)
+    text = {"model_type": "qwen3_5_moe_text", "num_hidden_layers": 60, "hidden_size": 4096,
+            "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 256, "intermediate_size": 4096 * 3,
+            "moe_intermediate_size": 1024, "shared_expert_intermediate_size": 1024, "num_experts": 512,
+            "num_experts_per_tok": 10, "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+            "linear_num_value_heads": 64, "attn_output_gate": True, "vocab_size": 248320}
+    cfg.write_text(json.dumps({"model_type": "qwen3_5_moe", "text_config": text, "tie_word_embeddings": False}))
+    assert model_from_hf_config(str(cfg)).num_params() == MODELS["Qwen3.5-397B-A17B"].num_params()
+    cfg.write_text(json.dumps({k: v for k, v in QWEN3_NEXT_CONFIG.items() if k != "linear_value_head_dim"}))
+    with pytest.raises(ValueError, match="Gated DeltaNet config.json lacks linear_value_head_dim"):
+        model_from_hf_config(str(cfg))
+    cfg.write_text(json.dumps(dict(QWEN3_NEXT_CONFIG, mlp_only_layers=[0])))
+    with pytest.raises(ValueError, match="mlp_only_layers"):
+        model_from_hf_config(str(cfg))
+    with pytest.raises(ValueError, match="linear_attention_pattern must hold num_layers 4 entries"):
+        ModelSpec("bad", 4, 8, 2, 1, 16, 10, linear_attention_pattern=(1, 0), linear_num_key_heads=2,
+                  linear_num_value_heads=4, linear_key_head_dim=3, linear_value_head_dim=2, linear_conv_kernel_dim=3)
+    with pytest.raises(ValueError, match="linear_num_value_heads 3 is not a multiple of linear_num_key_heads 2"):
+        ModelSpec("bad", 2, 8, 2, 1, 16, 10, linear_attention_pattern=(1, 0), linear_num_key_heads=2,
+                  linear_num_value_heads=3, linear_key_head_dim=3, linear_value_head_dim=2, linear_conv_kernel_dim=3)
+    with pytest.raises(ValueError, match="need linear_attention_pattern"):
+        ModelSpec("bad", 2, 8, 2, 1, 16, 10, linear_num_key_heads=2)

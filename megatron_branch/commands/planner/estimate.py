@@ -19,8 +19,14 @@ Memory per GPU (bytes):
   log-prob leaves.
 
 Time = FLOPs / (GPUs x peak x MFU), linear GEMMs at the FP8 peak when FP8 is on,
-attention at the bf16 peak; recompute adds the recomputed forwards. PP with a single
-tree per step leaves stages idle, so only TP x CP x DP GPUs count.
+attention (and a Gated DeltaNet layer's recurrence) at the bf16 peak; recompute adds the
+recomputed forwards. PP with a single tree per step leaves stages idle, so only
+TP x CP x DP GPUs count.
+
+Hybrid Gated DeltaNet models (Qwen3-Next, Qwen3.5): attention FLOPs and the path's K/V
+count only the attention layers; a Gated DeltaNet layer costs its projections (in the
+linear FLOPs, like any weight) plus a state update linear in the sequence length
+(:func:`step_flops`), and keeps a recurrent state per stem instead of K/V.
 """
 
 from __future__ import annotations
@@ -96,7 +102,7 @@ def stage_params(model: ModelSpec, lay: Layout) -> Dict[str, float]:
     layers = -(-model.num_layers // lay.pp)
     embedding = model.vocab_size * model.hidden_size
     output = embedding if (not model.tied_embeddings or lay.pp > 1) else 0
-    if model.first_dense_layers:  # stages differ in their layers: take the one holding the most
+    if model.first_dense_layers or model.is_hybrid:  # stages differ in their layers: take the one holding the most
         return max((_stage(model, lay, s, layers, embedding, output) for s in range(lay.pp)),
                    key=lambda part: part["total"])
     if lay.pp == 1:
@@ -147,15 +153,29 @@ def memory_per_gpu(model: ModelSpec, work: Workload, lay: Layout, act_bytes: int
     }
 
 
+GDN_STATE_FLOPS = 8  # x heads x d_k x d_v per token, forward: the delta-rule state update
+
+
 def step_flops(model: ModelSpec, positions: float, pairs: float) -> Dict[str, float]:
-    """Forward+backward FLOPs: linear (incl. output layer) and attention (``Q K^T`` over the
-    query/key width, ``P V`` over the value width)."""
+    """Forward+backward FLOPs: linear (incl. output layer), attention (``Q K^T`` over the
+    query/key width, ``P V`` over the value width; the attention layers only) and, for
+    hybrid models, the Gated DeltaNet recurrence.
+
+    The recurrence is modelled simply, as linear in the sequence length and not quadratic:
+    per token and GDN layer the forward runs about four ``d_k x d_v`` products per value head
+    (decay and read the state with the key, write the delta ``k (v - S^T k)^T``, read it with
+    the query), ``GDN_STATE_FLOPS = 2 x 4`` FLOPs per state element, tripled for the backward.
+    The chunked kernels' intra-chunk work and the convolution's ``2 x taps`` per channel are
+    left out or counted with the projections (the convolution's weights are parameters)."""
     h, first = model.hidden_size, model.first_dense_layers
     linear = 6 * positions * ((model.num_layers - first) * (model.active_params_per_layer() - 2 * h)
-                              + first * (model.first_dense_layer_params() - 2 * h) + model.vocab_size * h)
+                              + first * (model.first_dense_layer_params() - 2 * h)
+                              + model.gdn_layers * model.gdn_param_delta() + model.vocab_size * h)
     attention = (6 * pairs * (model.key_channels + model.value_channels) * model.num_attention_heads
-                 * model.num_layers)
-    return {"linear": linear, "attention": attention}
+                 * model.attention_layers)
+    state = model.linear_num_value_heads * model.linear_key_head_dim * model.linear_value_head_dim
+    recurrence = 3 * positions * GDN_STATE_FLOPS * state * model.gdn_layers
+    return {"linear": linear, "attention": attention, "recurrence": recurrence}
 
 
 def step_time(model: ModelSpec, work: Workload, lay: Layout, gpu: GPUSpec, mfu: float) -> Dict[str, float]:
@@ -166,13 +186,16 @@ def step_time(model: ModelSpec, work: Workload, lay: Layout, gpu: GPUSpec, mfu: 
                       work.num_prompts * work.stem_tokens * (work.stem_tokens + 1) / 2)
     extra = 1.0 / 3.0
     linear = fl["linear"] + extra * stem["linear"]
+    # the recurrence runs at the bf16 peak, beside attention (0 without Gated DeltaNet layers)
     attention = fl["attention"] + extra * stem["attention"]
+    recurrence = fl["recurrence"] + extra * stem["recurrence"]
     if lay.recompute == "full":
-        linear, attention = linear * (1 + extra), attention * (1 + extra)
+        linear, attention, recurrence = linear * (1 + extra), attention * (1 + extra), recurrence * (1 + extra)
     busy = lay.tp * lay.cp * lay.dp
     lin_peak = (gpu.fp8_tflops if lay.fp8 else gpu.bf16_tflops) * 1e12
-    seconds = (linear / lin_peak + attention / (gpu.bf16_tflops * 1e12)) / (busy * mfu)
+    seconds = (linear / lin_peak + (attention + recurrence) / (gpu.bf16_tflops * 1e12)) / (busy * mfu)
     naive = step_flops(model, work.naive_positions, work.attention_pairs(False))
-    naive_s = (naive["linear"] / lin_peak + naive["attention"] / (gpu.bf16_tflops * 1e12)) / (busy * mfu)
-    return {"seconds": seconds, "flops": linear + attention, "naive_seconds": naive_s,
-            "naive_flops": naive["linear"] + naive["attention"]}
+    naive_s = ((naive["linear"] / lin_peak + (naive["attention"] + naive["recurrence"]) / (gpu.bf16_tflops * 1e12))
+               / (busy * mfu))
+    return {"seconds": seconds, "flops": linear + attention + recurrence, "naive_seconds": naive_s,
+            "naive_flops": naive["linear"] + naive["attention"] + naive["recurrence"]}

@@ -25,6 +25,16 @@ and counts, per rank:
   and keeps the gathered ``q``, ``dO``, ``O`` and a reduce buffer (``ATTN_CP`` x unit
   queries x hidden) plus the unit's gathered ``dK``/``dV``.
 
+Hybrid Gated DeltaNet models (Qwen3-Next, Qwen3.5) differ layer by layer: only the attention
+layers hold K/V in the path cache. A Gated DeltaNet layer instead keeps, per stem on the
+path (:class:`megatron_branch.attention.recurrent_path.RecurrentPath`), the stem's final
+recurrent state (``linear_num_value_heads x d_k x d_v``, float32) and its last
+``linear_conv_kernel_dim - 1`` convolution inputs (``conv_dim`` wide, activation dtype),
+plus float32 gradient accumulators of both in exact replay — whatever the stem's length
+(:func:`recurrent_state_bytes`); its saved activations per token follow its projection
+widths (:func:`gdn_layer_elems`, counted, not fitted). Context parallelism is refused for
+these layers by the package (no state exchange), so the CP terms never meet them.
+
 The path's K/V are never gathered (the prefix attention runs where the keys live), so
 nothing else grows with the prompt. ``megatron-branch plan`` uses exactly this function
 (:func:`replay_peak_parts`, on the workload's tree, :func:`workload_tree`), and so does
@@ -55,6 +65,11 @@ ATTN_PIECES = 12.5  # float32 x local queries x hidden: the pieces' backward
 ATTN_PREFIX = 4.5  # float32 x prefix queries x hidden: the path piece's backward
 ATTN_CACHE = 6.0  # float32 x cached rows x kv_dim: its dK/dV
 ATTN_CP = 4.0  # float32 x unit queries x hidden: gathered q, dO, O and the reduce buffer
+# saved activation elements per token of a Gated DeltaNet mixer, x its in_proj width: counted
+# from what autograd keeps (in_proj's output, the convolution's output and its activation, the
+# L2-normed q/k repeated to the value heads, the core output, the gated norm's pieces: about
+# 4.3x for Qwen3-Next), not fitted -- megatron-core < 0.19 has no GatedDeltaNet to measure
+GDN_PROJ = 4.0
 
 
 def kv_widths(spec, tp: int = 1) -> Tuple[int, int]:
@@ -86,8 +101,32 @@ def layer_elems(spec, tp: int = 1) -> float:
     return (a_h * spec.hidden_size) / tp + a_kv * kv_dim + a_f * spec.ffn_hidden_size / tp
 
 
+def gdn_layer_elems(spec, tp: int = 1) -> float:
+    """Saved activation elements per token of one Gated DeltaNet layer on one TP rank: the
+    fitted hidden-width and MLP terms of :data:`LAYER_ELEMS` (norms, residuals, the MLP) and
+    ``GDN_PROJ x`` the mixer's ``in_proj`` width (``2 qk_dim + 2 v_dim + 2 value heads``) in
+    place of the attention's K/V term. Under TP each rank holds its heads' share (sequence
+    parallelism, which the package requires for these layers, splits the hidden-width terms)."""
+    a_h, _, a_f = LAYER_ELEMS
+    return (a_h * spec.hidden_size) / tp + GDN_PROJ * spec.gdn_in_proj_dim / tp + a_f * spec.ffn_hidden_size / tp
+
+
+def recurrent_state_bytes(spec, stems: int, *, tp: int = 1, layers: int, act_bytes: int, exact: bool = True) -> float:
+    """What ``layers`` Gated DeltaNet layers keep for ``stems`` stems on the path (bytes, one TP
+    rank), independent of the stems' lengths: per stem and layer the final recurrent state
+    ``linear_num_value_heads x d_k x d_v`` in float32 (the kernels' state dtype) and the last
+    ``linear_conv_kernel_dim - 1`` convolution inputs of ``conv_dim = 2 qk_dim + v_dim``
+    channels at the activation width; exact replay adds float32 gradient accumulators of both.
+    TP splits the heads and the channels."""
+    heads = spec.linear_num_value_heads // tp
+    state = heads * spec.linear_key_head_dim * spec.linear_value_head_dim * 4 * (2 if exact else 1)
+    tail = (spec.linear_conv_kernel_dim - 1) * (spec.gdn_conv_dim // tp) * (act_bytes + (4 if exact else 0))
+    return float(stems * layers * (state + tail))
+
+
 def unit_parts(spec, tokens: float, unit_tokens: float, scored_rows: float, *, tp: int, cp: int, layers: int,
-               act_bytes: int, cached_rows: float = 0, has_path: bool = False, recompute: str = "none") -> dict:
+               act_bytes: int, cached_rows: float = 0, has_path: bool = False, recompute: str = "none",
+               gdn_layers: int = 0) -> dict:
     """Working set of one unit on one rank at its backward, by part (bytes).
 
     Args:
@@ -97,20 +136,30 @@ def unit_parts(spec, tokens: float, unit_tokens: float, scored_rows: float, *, t
         has_path: stems are cached above the unit (it runs the path attention).
         recompute: Megatron's activation recompute (``"full"`` keeps each layer's input
             and one layer's activations).
+        gdn_layers: how many of the ``layers`` are Gated DeltaNet (no K/V, no attention
+            workspace; :func:`gdn_layer_elems` activations).
     """
     kv_dim = _kv_dim(spec, tp)
     hidden = _attn_width(spec, tp)
-    per_token = (layers * spec.hidden_size / tp + layer_elems(spec, tp) if recompute == "full"
-                 else layers * layer_elems(spec, tp))
+    attn_layers = layers - gdn_layers
+    if recompute == "full":
+        one = layer_elems(spec, tp) if attn_layers else 0.0
+        if gdn_layers:
+            one = max(one, gdn_layer_elems(spec, tp))
+        per_token = layers * spec.hidden_size / tp + one
+    else:
+        per_token = attn_layers * layer_elems(spec, tp) + (gdn_layers * gdn_layer_elems(spec, tp) if gdn_layers else 0)
     attention = ATTN_PIECES * tokens * hidden + (2 * unit_tokens * kv_dim if cp > 1 else 0)
     if has_path:
         queries = unit_tokens if cp > 1 else tokens
         attention += ATTN_PREFIX * queries * hidden + ATTN_CACHE * cached_rows * kv_dim
         if cp > 1:
             attention += ATTN_CP * unit_tokens * hidden
+    if not attn_layers:
+        attention = 0.0
     return {
         "activations": tokens * (per_token + TOKEN_ELEMS * spec.hidden_size / tp) * act_bytes,
-        "gathered_kv": layers * 2 * unit_tokens * kv_dim * act_bytes if cp > 1 else 0.0,
+        "gathered_kv": attn_layers * 2 * unit_tokens * kv_dim * act_bytes if cp > 1 else 0.0,
         "logits": scored_rows * LOGIT_COPIES * spec.vocab_size / tp * 4,
         "attention": 4 * attention,
     }
@@ -135,9 +184,11 @@ def replay_peak_parts(spec, tree, *, chunk_tokens: Optional[int], tp: int = 1, c
                       recompute: str = "none") -> List[Dict[str, float]]:
     """Peak bytes of one streaming exact replay step (``recompute_stem=True``) per CP rank,
     above the weights, gradients and optimizer state, by part: ``stem_kv_cache`` (values
-    and float32 gradient accumulators), ``unit_activations`` (saved activations and
-    gathered K/V of the unit at its peak), ``logits_or_attention`` (the larger of the
-    two), ``logprob_leaves``.
+    and float32 gradient accumulators), for a hybrid model ``stem_gdn_state``
+    (:func:`recurrent_state_bytes` for the most stems on the path at once),
+    ``unit_activations`` (saved activations and gathered K/V of the unit at its peak),
+    ``logits_or_attention`` (the larger of the two), ``logprob_leaves``. With ``pp > 1`` a
+    hybrid model's stages differ in their mix of layers: the stage needing the most counts.
 
     Args:
         spec: a :class:`~megatron_branch.commands.planner.presets.ModelSpec`.
@@ -149,6 +200,9 @@ def replay_peak_parts(spec, tree, *, chunk_tokens: Optional[int], tp: int = 1, c
         exact: exact replay keeps float32 gradient accumulators for the cache.
         recompute: Megatron's activation recompute (``"none"`` or ``"full"``).
     """
+    if spec.is_hybrid and cp > 1:
+        raise ValueError(f"cp: {spec.name} has Gated DeltaNet layers, which the package refuses under context "
+                         "parallelism (no state exchange for a tree split over CP ranks)")
     layers = -(-spec.num_layers // pp)
     ops = plan_replay(tree, chunk_tokens)
     scored = scored_tokens(tree, score_mask) if score_mask is not None else torch.ones(tree.unique_positions,
@@ -163,7 +217,8 @@ def replay_peak_parts(spec, tree, *, chunk_tokens: Optional[int], tp: int = 1, c
     stem_rows = [0.0] * cp
     depth_rows = [0.0] * cp
     stack: List[List[int]] = []
-    peak: List[Dict[str, float]] = [{"unit_activations": 0.0, "logits_or_attention": 0.0} for _ in range(cp)]
+    most_stems = 0  # stems on the path at once: each keeps its recurrent state per GDN layer
+    units = []  # per unit and rank: (tokens, unit tokens, scored rows, cached rows, has path)
     for op in ops:
         if op.kind == "pop":
             for r, n in enumerate(stack.pop()):
@@ -177,21 +232,42 @@ def replay_peak_parts(spec, tree, *, chunk_tokens: Optional[int], tp: int = 1, c
         rows = [max(0, min(hi, n) - lo) for lo, hi in bounds]
         scored_rows = [int(parent_scored[op.start + lo:op.start + min(hi, n)].sum()) if hi > lo else 0
                        for lo, hi in bounds]
-        for r, (lo, hi) in enumerate(bounds):
-            p = unit_parts(spec, hi - lo, total, scored_rows[r], tp=tp, cp=cp, layers=layers, act_bytes=act_bytes,
-                           cached_rows=int(depth_rows[r]), has_path=bool(stack), recompute=recompute)
-            unit = {"unit_activations": p["activations"] + p["gathered_kv"],
-                    "logits_or_attention": max(p["logits"], p["attention"])}
-            if sum(unit.values()) > sum(peak[r].values()):
-                peak[r] = unit
+        units.append([(hi - lo, total, scored_rows[r], int(depth_rows[r]), bool(stack))
+                      for r, (lo, hi) in enumerate(bounds)])
         if op.kind == "stem":
             stack.append(rows)
+            most_stems = max(most_stems, len(stack))
             for r in range(cp):
                 depth_rows[r] += rows[r]
                 stem_rows[r] = max(stem_rows[r], depth_rows[r])
     known = tree.unique_positions * 4 * (2 if exact else 1) if stem_rows[0] else 0
-    return [{"stem_kv_cache": cache_bytes(spec, stem_rows[r], tp=tp, layers=layers, act_bytes=act_bytes, exact=exact),
-             **peak[r], "logprob_leaves": float(known)} for r in range(cp)]
+
+    def stage(attn_layers: int, gdn_layers: int) -> List[Dict[str, float]]:
+        """Every rank's parts for a stage of ``attn_layers`` attention and ``gdn_layers`` GDN layers."""
+        stage_layers = attn_layers + gdn_layers
+        peak: List[Dict[str, float]] = [{"unit_activations": 0.0, "logits_or_attention": 0.0} for _ in range(cp)]
+        for unit in units:
+            for r, (tokens, total, scored, cached, has_path) in enumerate(unit):
+                p = unit_parts(spec, tokens, total, scored, tp=tp, cp=cp, layers=stage_layers, act_bytes=act_bytes,
+                               cached_rows=cached, has_path=has_path, recompute=recompute, gdn_layers=gdn_layers)
+                parts = {"unit_activations": p["activations"] + p["gathered_kv"],
+                         "logits_or_attention": max(p["logits"], p["attention"])}
+                if sum(parts.values()) > sum(peak[r].values()):
+                    peak[r] = parts
+        out = []
+        for r in range(cp):
+            parts = {"stem_kv_cache": cache_bytes(spec, stem_rows[r], tp=tp, layers=attn_layers, act_bytes=act_bytes,
+                                                  exact=exact)}
+            if spec.is_hybrid:
+                parts["stem_gdn_state"] = recurrent_state_bytes(spec, most_stems, tp=tp, layers=gdn_layers,
+                                                                      act_bytes=act_bytes, exact=exact)
+            out.append({**parts, **peak[r], "logprob_leaves": float(known)})
+        return out
+
+    if not spec.is_hybrid:
+        return stage(layers, 0)
+    stages = [stage(a, g) for a, g in sorted(set(spec.stage_mixers(pp)))]
+    return max(stages, key=lambda ranks: max(sum(parts.values()) for parts in ranks))
 
 
 def replay_peak_bytes(spec, tree, **kwargs) -> List[float]:

@@ -5,6 +5,11 @@ the GPU, the rest for the allocator and communication buffers), and picks the fa
 at a stated MFU. Prints the memory breakdown, FLOPs and step time next to the naive
 computation, and whether it fits. ``--validate`` first checks the activation model
 against peak memory measured on small CPU runs of this package.
+
+Hybrid Gated DeltaNet models (Qwen3-Next, Qwen3.5) are planned with CP = 1 only: the
+package refuses context parallelism for their recurrent layers (a tree split over CP ranks
+has no state exchange), and TP runs them with sequence parallelism, which the package
+requires for these layers (and which the memory model assumes for every ``TP > 1``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,17 @@ def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def hybrid_constraints(model: ModelSpec) -> List[str]:
+    """Why a hybrid Gated DeltaNet model's layouts are restricted (empty for other models)."""
+    if not model.is_hybrid:
+        return []
+    return [f"CP fixed at 1: the package refuses context parallelism for Gated DeltaNet layers (no state exchange "
+            f"for a tree split over CP ranks), so {model.name} scales over TP, PP and DP (prompts) only",
+            f"TP > 1 runs with sequence parallelism (required for Gated DeltaNet layers) and must divide "
+            f"{model.linear_num_key_heads} key / {model.linear_num_value_heads} value heads and "
+            f"{model.num_kv_heads} KV heads"]
+
+
 def candidate_layouts(model: ModelSpec, work: Workload, gpus: int) -> List[Layout]:
     out = []
     for tp, pp, dp in itertools.product(_divisors(gpus), (1, 2, 4, 8), _divisors(gpus)):
@@ -34,6 +50,8 @@ def candidate_layouts(model: ModelSpec, work: Workload, gpus: int) -> List[Layou
         if gpus % (tp * pp * dp) or model.num_layers % pp or work.num_prompts % dp:
             continue
         cp = gpus // (tp * pp * dp)
+        if model.is_hybrid and (cp > 1 or model.linear_num_key_heads % tp or model.linear_num_value_heads % tp):
+            continue  # hybrid_constraints
         # expert parallelism: over the TP x CP x DP ranks, dividing the experts
         eps = [e for e in _divisors(tp * cp * dp) if model.num_experts % e == 0] if model.is_moe else [1]
         for ep, chunk, recompute, fp8 in itertools.product(eps, CHUNKS, ("none", "full"), (False, True)):
@@ -60,9 +78,11 @@ def plan(model: ModelSpec, work: Workload, gpu: GPUSpec, gpus: int, mfu: float =
         raise ValueError(f"mfu: must be in (0, 1], got {mfu}")
     options = [evaluate(model, work, lay, gpu, mfu) for lay in candidate_layouts(model, work, gpus)]
     if not options:
+        hybrid = ("; " + "; ".join(hybrid_constraints(model)) + f"; DP must divide the {work.num_prompts} prompt(s)"
+                  if model.is_hybrid else "")
         raise ValueError(f"gpus: no TP/CP/PP/DP layout of {gpus} GPUs suits {model.name} "
                          f"({model.num_attention_heads} heads, {model.num_kv_heads} KV heads, "
-                         f"{model.num_layers} layers)")
+                         f"{model.num_layers} layers){hybrid}")
     fitting = [o for o in options if o["fits"]]
     if fitting:
         # the time model does not model communication, so layouts that keep the same GPUs
@@ -78,7 +98,8 @@ def plan(model: ModelSpec, work: Workload, gpu: GPUSpec, gpus: int, mfu: float =
     return {"model": asdict(model), "workload": asdict(work), "gpu": asdict(gpu), "gpus": gpus, "mfu": mfu,
             "params_total": model.num_params(), "params_active": model.active_params(),
             "naive_positions": work.naive_positions, "unique_positions": work.unique_positions,
-            "best": best, "fits": bool(fitting), "reason": reason, "layouts_considered": len(options)}
+            "best": best, "fits": bool(fitting), "reason": reason, "layouts_considered": len(options),
+            "constraints": hybrid_constraints(model)}
 
 
 def format_plan(result: Dict) -> str:
@@ -106,6 +127,18 @@ def format_plan(result: Dict) -> str:
         lines.insert(2, f"MLA: the path cache holds each head's uncompressed K ({m['num_attention_heads']} x "
                         f"{m['qk_head_dim'] + m['qk_pos_emb_head_dim']}) and V ({m['num_attention_heads']} x "
                         f"{m['v_head_dim']}) per token and layer, not the {m['kv_lora_rank']}-wide latent")
+    if result["model"].get("linear_attention_pattern") and any(result["model"]["linear_attention_pattern"]):
+        m = result["model"]
+        gdn = sum(m["linear_attention_pattern"])
+        conv = 2 * m["linear_num_key_heads"] * m["linear_key_head_dim"] + m["linear_num_value_heads"] * m[
+            "linear_value_head_dim"]
+        lines.insert(2, f"hybrid: {gdn} Gated DeltaNet + {m['num_layers'] - gdn} attention layers; the path cache "
+                        f"holds K/V of the attention layers only, and per stem on the path each GDN layer's "
+                        f"recurrent state ({m['linear_num_value_heads']} x {m['linear_key_head_dim']} x "
+                        f"{m['linear_value_head_dim']} fp32) and last {m['linear_conv_kernel_dim'] - 1} convolution "
+                        f"inputs ({conv} wide), whatever the stem's length")
+        for i, why in enumerate(result.get("constraints", ())):
+            lines.insert(3 + i, f"  {why}")
     for name, value in b["memory_bytes"].items():
         lines.append(f"  {name:<18s}{value / GB:>9.2f} GB")
     lines.append(f"  {'total':<18s}{b['memory_total_bytes'] / GB:>9.2f} GB of {USABLE * gpu['memory_gb']:.1f} "
