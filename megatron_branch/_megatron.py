@@ -24,8 +24,9 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.attention import Attention, SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer import multi_latent_attention as _mla_module
@@ -58,9 +59,14 @@ try:
         )
         from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules  # noqa: E402
         from megatron.core.ssm.gated_delta_net import common as gdn_common  # noqa: E402
-except ImportError:  # 0.16: no GatedDeltaNet
+        from megatron.core.models.hybrid import hybrid_block  # noqa: E402
+        from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules  # noqa: E402
+        from megatron.core.models.hybrid.hybrid_model import HybridModel  # noqa: E402
+        from megatron.core.ssm.mlp_layer import MLPLayer  # noqa: E402
+except ImportError:  # 0.16: no GatedDeltaNet, no HybridModel
     GatedDeltaNet = GatedDeltaNetSubmodules = gdn_common = get_linear_attention_pattern = None
     get_transformer_block_with_experimental_attention_variant_spec = None
+    hybrid_block = HybridStack = HybridStackSubmodules = HybridModel = MLPLayer = None
 
 try:  # megatron-core >= 0.19: a metrics tracker object
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker as _metrics_tracker
@@ -229,4 +235,25 @@ __all__ = [
     "reduce_from_tensor_model_parallel_region",
     "tensor_parallel",
     "vocab_parallel_cross_entropy",
+    # multi-latent attention, Gated DeltaNet, HybridModel (megatron-core >= 0.19; None before)
+    "Attention",
+    "ColumnParallelLinear",
+    "DotProductAttention",
+    "GatedDeltaNet",
+    "GatedDeltaNetSubmodules",
+    "HybridModel",
+    "HybridStack",
+    "HybridStackSubmodules",
+    "IdentityFuncOp",
+    "IdentityOp",
+    "MLASelfAttention",
+    "MLATransformerConfig",
+    "MLPLayer",
+    "RowParallelLinear",
+    "gdn_common",
+    "gdn_unavailable_reason",
+    "get_linear_attention_pattern",
+    "get_transformer_block_with_experimental_attention_variant_spec",
+    "hybrid_block",
+    "mla_unbuildable_reason",
 ]

@@ -52,6 +52,10 @@ Patched points (megatron-core 0.16.1, torch 2.13 CPU build):
   ``_compute_g_and_beta`` are wrapped in ``torch.compile`` (Megatron's ``jit_fuser``) at
   import; on CPU inductor compiles C++ for every new sequence length (8-12 s a call on
   this machine): the eager functions under them run instead (same operations).
+* ``models.hybrid.hybrid_block.TENorm`` (megatron-core 0.19, without Transformer Engine) —
+  ``HybridStack`` builds its final norm with ``TENorm`` whatever its spec says, which
+  raises ``ImportError`` without TE: Megatron's own torch norm (``WrappedTorchNorm``, the
+  same ``weight``) is built instead, so ``HybridModel`` runs on the local modules.
 
 Two scoped context managers add what else a caller needs: :func:`cuda_factories_on_cpu`
 (``device="cuda"`` factories and CUDA type checks in megatron-core's schedules and
@@ -254,10 +258,16 @@ def _torch_l2norm(x: torch.Tensor, eps: float = 1e-6, output_dtype=None) -> torc
 
 
 def _gdn_on_cpu() -> None:
-    from megatron_branch._megatron import gdn_common  # megatron-core is imported only when the shims are applied
+    # megatron-core is imported only when the shims are applied
+    from megatron_branch._megatron import gdn_common, hybrid_block
 
     if gdn_common is None:  # megatron-core 0.16: no GatedDeltaNet
         return
+    if hybrid_block is not None and not HAVE_TE:
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        hybrid_block.TENorm = WrappedTorchNorm
+        _APPLIED.append("hybrid_block.TENorm->WrappedTorchNorm (HybridStack's final norm without TE)")
     if getattr(gdn_common, "HAVE_FLA", False):
         gdn_common.l2norm = _torch_l2norm
         _APPLIED.append("gated_delta_net.common.l2norm->torch (FLA's Triton kernel has no CPU backend)")

@@ -258,3 +258,45 @@ def test_context_parallel_is_refused_by_name(tmp_path):
 def test_tensor_parallel_without_sequence_parallel_is_refused(tmp_path):
     messages = dist_worker.spawn_build_error({"tp": 2, "cp": 1, "pp": 1, "gdn": True}, str(tmp_path), free_port())
     assert all("sequence_parallel: layer 1 (GatedDeltaNet)" in m for m in messages), messages
+
+
+# ------------------------------------------------------------------ Megatron's HybridModel
+def hybrid_model_pair(pattern="G-*-G-", seed=0):
+    from megatron_branch.spec.builders import build_hybrid
+
+    config = hybrid_config(num_layers=len(pattern))
+    branch = build_hybrid(config, VOCAB, pattern, seed=seed, spec_kwargs={"kernel": "math"})
+    stock = build_hybrid(config, VOCAB, pattern, branch=False)
+    stock.load_state_dict(branch.state_dict())
+    return branch, stock
+
+
+@pytest.mark.parametrize("budget", [None, 3])
+def test_megatrons_hybrid_model_is_exact_in_float64(budget):
+    # HybridModel with Megatron's layer symbols: GDN, MLP, attention, MLP, GDN, MLP
+    batch = one_prompt_tails()
+    tree = mb.BranchTree.from_sequences(batch.sequences)
+    branch, stock = (m.double() for m in hybrid_model_pair())
+    for m in (branch, stock):
+        use_kernel(m, recurrent_gated_delta_rule)
+    loss = Loss(batch)
+    ref_loss, ref_grads = naive_truth(stock, batch, loss)
+    stats = replay_step(branch, tree, loss, max_chunk_tokens=budget)
+    assert abs(stats.loss - ref_loss) <= 1e-6 * max(1.0, abs(ref_loss))
+    diffs = scaled_diffs(grads(branch), ref_grads)
+    assert max(diffs.values()) < TOL, max(diffs, key=diffs.get)
+
+
+def test_megatrons_hybrid_model_matches_in_float32():
+    batch = TREES["forest_3_prompts"]()
+    branch, stock = hybrid_model_pair(seed=3)
+    report = check_against_naive(branch, stock, batch.sequences, grpo_loss_fn(batch))
+    assert report.max_abs_logprob_diff < TOL
+    assert all(d < TOL for n, d in report.grad_rel_diffs.items() if not n.endswith(DECAY)), report.worst_param
+
+
+def test_a_mamba_layer_in_the_pattern_is_refused_by_name():
+    from megatron_branch.spec.builders import build_hybrid
+
+    with pytest.raises(ValueError, match=r"hybrid_layer_pattern: Mamba layers \('M'\) are not supported"):
+        build_hybrid(hybrid_config(num_layers=2), VOCAB, "M-")

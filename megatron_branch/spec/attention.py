@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Optional
 
-from megatron_branch._megatron import GatedDeltaNet, MLASelfAttention, ModuleSpec, SelfAttention
+from megatron_branch._megatron import Attention, GatedDeltaNet, IdentityOp, MLASelfAttention, ModuleSpec, SelfAttention
 from megatron_branch.spec.core_attention import BACKENDS, BranchCoreAttention
 from megatron_branch.spec.gdn import BranchGatedDeltaNet
 from megatron_branch.spec.layers import map_layers
@@ -48,7 +48,9 @@ def _with_branch_attention(layer: ModuleSpec, core: ModuleSpec) -> ModuleSpec:
     # Copy only the path to the two slots: every other slot stays the very object of the
     # original spec (megatron-core 0.17+ builds MLP slots with functools.partial, which
     # compares unequal once deep-copied).
-    attn = layer.submodules.self_attention
+    attn = getattr(layer.submodules, "self_attention", None)
+    if attn is None or attn is IdentityOp or getattr(attn, "module", None) is IdentityOp:
+        return layer  # no sequence mixer (HybridStack's MLP / MoE layers)
     module = attn.module if isinstance(attn.module, type) else None
     if GatedDeltaNet is not None and module is not None and issubclass(module, GatedDeltaNet):
         if module not in (GatedDeltaNet, BranchGatedDeltaNet):  # e.g. a GDN variant with other gates
@@ -102,3 +104,7 @@ def check_tree_attention(model) -> None:
         if stock_gdn or type(m).__name__ in ("MambaMixer", "MambaLayer"):
             raise ValueError(f"{name}: {type(m).__name__} is a stock recurrent layer; it would run the packed tree "
                              "as one sequence (build the model with apply_branch_attention; Mamba is not supported)")
+        if isinstance(m, Attention) and not isinstance(m, (BranchSelfAttention, BranchMLASelfAttention)):
+            # e.g. a HybridStack's DSA layer: stock attention would see the packed tree as one sequence
+            raise ValueError(f"{name}: {type(m).__name__} is stock attention without tree support (the branch spec "
+                             "installs tree attention in SelfAttention and MLASelfAttention layers only)")

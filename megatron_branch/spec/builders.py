@@ -7,11 +7,18 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_branch._megatron import GPTModel, MLATransformerConfig, TransformerConfig, get_gpt_layer_local_spec
+from megatron_branch._megatron import (
+    GPTModel,
+    HybridModel,
+    MLATransformerConfig,
+    TransformerConfig,
+    get_gpt_layer_local_spec,
+)
 from megatron_branch.cpu import cuda_factories_on_cpu
 from megatron_branch.spec import get_branch_layer_spec
 from megatron_branch.spec.layer_spec import get_branch_hybrid_block_spec
-from megatron_branch.spec.stock_hybrid import get_local_hybrid_block_spec
+from megatron_branch.spec.attention import apply_branch_attention
+from megatron_branch.spec.stock_hybrid import get_local_hybrid_block_spec, get_local_hybrid_stack_spec
 from megatron_branch.spec.stock_mla import get_stock_mla_layer_spec
 
 
@@ -165,3 +172,35 @@ def build_gpt(
             max_sequence_length=max_sequence_length,
             **model_kwargs,
         )
+
+
+def build_hybrid(
+    config: TransformerConfig,
+    vocab_size: int,
+    hybrid_layer_pattern: str,
+    *,
+    branch: bool = True,
+    max_sequence_length: int = 4096,
+    spec_kwargs: Optional[dict] = None,
+    seed: Optional[int] = None,
+) -> "HybridModel":
+    """Megatron's ``HybridModel`` on the local hybrid stack
+    (:func:`~megatron_branch.spec.stock_hybrid.get_local_hybrid_stack_spec`), with the
+    branch pieces (``apply_branch_attention``) if ``branch``.
+
+    Args:
+        config: e.g. from :func:`hybrid_config` (``num_layers`` = the pattern's length).
+        hybrid_layer_pattern: Megatron's layer symbols, e.g. ``"G-*-"`` (GDN, MLP,
+            attention, MLP).
+        spec_kwargs: ``backend``/``chunk_size``/``kernel`` of the tree attention.
+    """
+    spec_kwargs = dict(spec_kwargs or {})
+    stack = get_local_hybrid_stack_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm)
+    if branch:
+        stack = apply_branch_attention(stack, **spec_kwargs)
+    if seed is not None:
+        torch.manual_seed(seed)
+    with cuda_factories_on_cpu():
+        return HybridModel(config=config, hybrid_stack_spec=stack, vocab_size=vocab_size,
+                           max_sequence_length=max_sequence_length, hybrid_layer_pattern=hybrid_layer_pattern,
+                           position_embedding_type="rope", share_embeddings_and_output_weights=False)
