@@ -24,12 +24,12 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer import multi_latent_attention as _mla_module
 from megatron.core.transformer.attention import Attention, SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.module import Float16Module, MegatronModule
-from megatron.core.transformer import multi_latent_attention as _mla_module
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
@@ -57,11 +57,11 @@ try:
             get_linear_attention_pattern,
             get_transformer_block_with_experimental_attention_variant_spec,
         )
-        from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules  # noqa: E402
-        from megatron.core.ssm.gated_delta_net import common as gdn_common  # noqa: E402
         from megatron.core.models.hybrid import hybrid_block  # noqa: E402
         from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules  # noqa: E402
         from megatron.core.models.hybrid.hybrid_model import HybridModel  # noqa: E402
+        from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules  # noqa: E402
+        from megatron.core.ssm.gated_delta_net import common as gdn_common  # noqa: E402
         from megatron.core.ssm.mlp_layer import MLPLayer  # noqa: E402
 except ImportError:  # 0.16: no GatedDeltaNet, no HybridModel
     GatedDeltaNet = GatedDeltaNetSubmodules = gdn_common = get_linear_attention_pattern = None

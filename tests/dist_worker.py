@@ -64,6 +64,18 @@ def build(tp=1, pp=1, sp=False, mla=False, gdn=False, **overrides):
                      post_process=parallel_state.is_pipeline_last_stage())
 
 
+def single_process_reference(weights: str, **build_kwargs):
+    """Build the test model in this process, save its weights to ``weights`` and return
+    every tree's one-pass results (the reference of the multi-process cases)."""
+    from megatron_branch.full_state import full_state
+    from megatron_branch.training import wrap_ddp
+
+    model = build(**build_kwargs)
+    torch.save(full_state(model, "param"), weights)
+    model = wrap_ddp(model)
+    return {name: run_case(model, batch, tree, None, "allgather", 1) for name, (batch, tree) in trees().items()}
+
+
 def run_case(model, batch, tree, chunk, comm, pp):
     """One replay step on a Megatron-DDP-wrapped model, reduced by ``finalize_model_grads``
     (the loss is normalised by global counts, so DDP sums: ``calculate_per_token_loss``)."""

@@ -108,17 +108,23 @@ def test_qk_layernorm_mha_and_tied_embeddings():
     assert report.max_rel_grad_diff < GRAD_TOL
 
 
-def test_positions_matter():
-    # Guard against a test that cannot fail: RoPE at packed index instead of depth differs.
-    batch = one_prompt_8_rollouts()
-    branch, stock = make_pair()
-    tree = mb.BranchTree.from_sequences(batch.sequences)
+def logprobs_at_packed_index(branch, tree):
+    """Per-rollout log-probs with RoPE at each token's packed index instead of its depth:
+    what a tree model that ignored the tree's positions would compute."""
     params = mb.BranchPackedSeqParams.from_tree(tree)
     params.positions = torch.arange(tree.unique_positions)
     params.max_seqlen_q = params.max_seqlen_kv = tree.unique_positions
     with torch.no_grad():
         logits = branch(tree.tokens[None], tree.positions[None], attention_mask=None, packed_seq_params=params)
-        lp_wrong = per_rollout(unique_token_logprobs(logits[0], tree)[0], tree)
+        return per_rollout(unique_token_logprobs(logits[0], tree)[0], tree)
+
+
+def test_positions_matter():
+    # Guard against a test that cannot fail: RoPE at packed index instead of depth differs.
+    batch = one_prompt_8_rollouts()
+    branch, stock = make_pair()
+    lp_wrong = logprobs_at_packed_index(branch, mb.BranchTree.from_sequences(batch.sequences))
+    with torch.no_grad():
         ref = naive_rollout_logprobs(stock, batch.sequences)
     assert (lp_wrong - ref).abs().max() > 1e-3
 

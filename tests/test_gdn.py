@@ -28,7 +28,6 @@ import megatron_branch as mb
 from megatron_branch._megatron import gdn_unavailable_reason
 from megatron_branch.attention.recurrent_path import RecurrentPath
 from megatron_branch.distributed import free_port
-from megatron_branch.full_state import full_state
 from megatron_branch.reference.agreement import check_against_naive, compare_grads, grads
 from megatron_branch.reference.naive import batched_rollout_logprobs, naive_rollout_logprobs
 from megatron_branch.reference.recurrent import recurrent_gated_delta_rule
@@ -221,14 +220,7 @@ def test_a_stock_gdn_layer_in_a_tree_model_is_refused():
 def reference(tmp_path_factory):
     """Weights file and single-process results of the hybrid GDN model for every case."""
     path = tmp_path_factory.mktemp("gdn") / "full.pt"
-    from megatron_branch.training import wrap_ddp
-
-    model = dist_worker.build(gdn=True)
-    torch.save(full_state(model, "param"), path)
-    model = wrap_ddp(model)
-    results = {name: dist_worker.run_case(model, batch, tree, None, "allgather", 1)
-               for name, (batch, tree) in dist_worker.trees().items()}
-    return path, results
+    return path, dist_worker.single_process_reference(str(path), gdn=True)
 
 
 @pytest.mark.parametrize("layout, cases", [

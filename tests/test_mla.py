@@ -11,18 +11,16 @@ import dist_worker
 import pytest
 import torch
 from conftest import VOCAB
-from test_exactness import TREES, grpo_loss_fn
+from test_exactness import TREES, grpo_loss_fn, logprobs_at_packed_index
 from test_replay import Loss, multi_level_forest, naive_truth, one_prompt_tails
 
 import megatron_branch as mb
 from megatron_branch._megatron import mla_unbuildable_reason
 from megatron_branch.attention.kernels import KERNELS
 from megatron_branch.distributed import free_port
-from megatron_branch.full_state import full_state
 from megatron_branch.reference.agreement import check_against_naive, compare_grads, grads
 from megatron_branch.reference.naive import batched_rollout_logprobs, naive_rollout_logprobs
 from megatron_branch.replay import replay_logprobs, replay_step
-from megatron_branch.scoring.logprobs import per_rollout, unique_token_logprobs
 from megatron_branch.spec.builders import build_gpt, mla_config
 
 pytestmark = pytest.mark.skipif(mla_unbuildable_reason() is not None, reason=str(mla_unbuildable_reason()))
@@ -114,12 +112,8 @@ def test_positions_matter():
     batch = TREES["one_prompt_8_rollouts"]()
     branch, stock = mla_pair(init_method_std=0.1)  # larger weights: RoPE moves the scores visibly
     tree = mb.BranchTree.from_sequences(batch.sequences)
-    params = mb.BranchPackedSeqParams.from_tree(tree)
-    params.positions = torch.arange(tree.unique_positions)
-    params.max_seqlen_q = params.max_seqlen_kv = tree.unique_positions
+    wrong = logprobs_at_packed_index(branch, tree)
     with torch.no_grad():
-        logits = branch(tree.tokens[None], tree.positions[None], attention_mask=None, packed_seq_params=params)
-        wrong = per_rollout(unique_token_logprobs(logits[0], tree)[0], tree)
         ref = naive_rollout_logprobs(stock, batch.sequences)
         right = mb.rollout_logprobs(branch, tree)
     assert (right - ref).abs().max() < TOL
@@ -164,14 +158,7 @@ def test_options_without_an_exact_tree_path_are_refused(option, value):
 def reference(tmp_path_factory):
     """Weights file and single-process results of the MLA model for every case."""
     path = tmp_path_factory.mktemp("mla") / "full.pt"
-    from megatron_branch.training import wrap_ddp
-
-    model = dist_worker.build(mla=True)
-    torch.save(full_state(model, "param"), path)
-    model = wrap_ddp(model)
-    results = {name: dist_worker.run_case(model, batch, tree, None, "allgather", 1)
-               for name, (batch, tree) in dist_worker.trees().items()}
-    return path, results
+    return path, dist_worker.single_process_reference(str(path), mla=True)
 
 
 @pytest.mark.parametrize("layout, cases", [

@@ -24,11 +24,11 @@ from typing import Any, Optional
 from megatron_branch._deps import HAVE_TE
 from megatron_branch._megatron import (
     ModuleSpec,
-    get_transformer_block_with_experimental_attention_variant_spec,
     TransformerBlock,
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
+    get_transformer_block_with_experimental_attention_variant_spec,
 )
 from megatron_branch.spec import apply_branch_attention, apply_branch_moe, get_branch_layer_spec
 from megatron_branch.spec.stock_hybrid import get_local_hybrid_block_spec

@@ -29,7 +29,8 @@ def recurrent_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta:
     """``q, k [B, T, H, dk]``, ``v [B, T, H, dv]``, ``g, beta [B, T, H]`` ->
     ``(out [B, T, H, dv], final state [B, H, dk, dv] or None)``, in ``v``'s dtype."""
     if use_qk_l2norm_in_kernel or cu_seqlens is not None:
-        raise ValueError("recurrent_gated_delta_rule: no in-kernel L2 norm or cu_seqlens (not used by GDN's torch path)")
+        raise ValueError("recurrent_gated_delta_rule: no in-kernel L2 norm or cu_seqlens "
+                         "(not used by GDN's torch path)")
     dtype = v.dtype
     b, t, h, dk = k.shape
     q = q.to(dtype) * dk ** -0.5

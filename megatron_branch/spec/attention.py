@@ -100,7 +100,8 @@ def check_tree_attention(model) -> None:
             "layers); positions and visibility would be wrong"
         )
     for name, m in model.named_modules():
-        stock_gdn = GatedDeltaNet is not None and isinstance(m, GatedDeltaNet) and not isinstance(m, BranchGatedDeltaNet)
+        stock_gdn = (GatedDeltaNet is not None and isinstance(m, GatedDeltaNet)
+                     and not isinstance(m, BranchGatedDeltaNet))
         if stock_gdn or type(m).__name__ in ("MambaMixer", "MambaLayer"):
             raise ValueError(f"{name}: {type(m).__name__} is a stock recurrent layer; it would run the packed tree "
                              "as one sequence (build the model with apply_branch_attention; Mamba is not supported)")

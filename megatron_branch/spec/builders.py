@@ -16,8 +16,8 @@ from megatron_branch._megatron import (
 )
 from megatron_branch.cpu import cuda_factories_on_cpu
 from megatron_branch.spec import get_branch_layer_spec
-from megatron_branch.spec.layer_spec import get_branch_hybrid_block_spec
 from megatron_branch.spec.attention import apply_branch_attention
+from megatron_branch.spec.layer_spec import get_branch_hybrid_block_spec
 from megatron_branch.spec.stock_hybrid import get_local_hybrid_block_spec, get_local_hybrid_stack_spec
 from megatron_branch.spec.stock_mla import get_stock_mla_layer_spec
 

@@ -31,9 +31,9 @@ from megatron_branch._megatron import (
     ModuleSpec,
     RowParallelLinear,
     TransformerBlockSubmodules,
+    gdn_unavailable_reason,
     get_gpt_layer_local_spec,
     get_linear_attention_pattern,
-    gdn_unavailable_reason,
 )
 
 

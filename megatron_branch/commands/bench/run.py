@@ -36,6 +36,7 @@ from typing import Dict, List, Optional
 import torch
 
 from megatron_branch import losses
+from megatron_branch._megatron import gdn_unavailable_reason
 from megatron_branch.commands.bench.methods import prepare_methods
 from megatron_branch.commands.bench.peer import format_peer, run_peer
 from megatron_branch.commands.bench.profile import format_profile, profile_gap
@@ -48,7 +49,6 @@ from megatron_branch.distributed import init_distributed
 from megatron_branch.flops import ModelShape, causal_pairs, step_flops
 from megatron_branch.peak_memory import PeakMemory
 from megatron_branch.reference.agreement import compare_grads, grads
-from megatron_branch._megatron import gdn_unavailable_reason
 from megatron_branch.spec.builders import build_gpt, hybrid_config, llama_config
 from megatron_branch.tree import BranchTree
 
@@ -166,7 +166,8 @@ def _models(cfg: BenchConfig, moe: bool = False, hybrid: bool = False) -> Dict[s
     if hybrid:  # GDN and attention layers alternating, GDN heads of the attention head size
         head = cfg.hidden_size // cfg.num_attention_heads
         config = hybrid_config(**dims, linear_attention_freq=2, linear_key_head_dim=head, linear_value_head_dim=head,
-                               linear_num_key_heads=cfg.num_query_groups, linear_num_value_heads=cfg.num_attention_heads)
+                               linear_num_key_heads=cfg.num_query_groups,
+                               linear_num_value_heads=cfg.num_attention_heads)
     else:
         config = llama_config(**dims, **moe_kwargs)
     models = {b: build_gpt(config, cfg.vocab_size, spec_kwargs={"backend": b, **spec}, seed=cfg.seed)
@@ -225,7 +226,8 @@ def _run_bench(cfg: BenchConfig, methods: Optional[List[str]], echo) -> dict:
     with Progress(len(cfg.shapes) * per_shape, "bench") as bar:
         for shape in cfg.shapes:
             if shape.hybrid and gdn_unavailable_reason():
-                report.setdefault("skipped_shapes", []).append({"shape": shape.name, "skipped": gdn_unavailable_reason()})
+                skipped = {"shape": shape.name, "skipped": gdn_unavailable_reason()}
+                report.setdefault("skipped_shapes", []).append(skipped)
                 bar.update(f"{shape.name}: skipped", per_shape)
                 continue
             kind = (shape.moe, shape.hybrid)
