@@ -3,7 +3,8 @@
 ``mb.hf.load_gpt_from_hf(hf_dir)`` builds the Megatron GPTModel (branch spec) and loads
 the weights; ``mb.hf.export_hf_state(model, hf_config)`` returns a live model's full
 weights under HF names (:mod:`.model`). Mapping rules: :mod:`.mapping` (DeepSeek-V3's
-multi-latent attention: :mod:`.deepseek`); reading and atomic writing: :mod:`.io`; the
+multi-latent attention: :mod:`.deepseek`; Qwen3-Next's Gated DeltaNet hybrid:
+:mod:`.qwen3_next`); reading and atomic writing: :mod:`.io`; the
 dist-checkpoint converter behind ``tools/convert_checkpoint.py``: :mod:`.convert`.
 """
 

@@ -28,7 +28,7 @@ import torch
 
 from megatron_branch.atomic import atomic_dir
 from megatron_branch.hf.io import check_config, check_target, read_config, read_weights, write_weights
-from megatron_branch.hf.mapping import TensorError, hf_to_megatron, megatron_args_from_hf
+from megatron_branch.hf.mapping import TensorError, check_params_dtype, hf_to_megatron, megatron_args_from_hf
 
 ARGS_FILE = "model_args.json"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -91,6 +91,7 @@ def import_hf(hf_dir: str, megatron_path: str, dtype: str = "fp32", overwrite: b
     note = progress or (lambda _msg: None)
     torch_dtype = _dtype(dtype)
     hf_cfg = read_config(hf_dir)
+    check_params_dtype(hf_cfg, torch_dtype)
     check_target(megatron_path, overwrite, "--megatron-path", report)
     note("reading safetensors")
     sources: Dict[str, str] = {}
@@ -173,7 +174,10 @@ def _shape_of(hf_cfg: dict) -> dict:
     keys = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "kv_channels",
             "add_qkv_bias", "qk_layernorm", "num_moe_experts", "moe_ffn_hidden_size",
             # multi-latent attention (DeepSeek-V3)
-            "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+            "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+            # Gated DeltaNet hybrids (Qwen3-Next): the layer pattern, GDN sizes, gated attention
+            "linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+            "linear_num_key_heads", "linear_num_value_heads", "attention_output_gate")
     out = {k: config.get(k) for k in keys}
     out.update(vocab_size=model["vocab_size"], tied=model["share_embeddings_and_output_weights"])
     if config.get("multi_latent_attention"):  # the order of the RoPE rows on export (.deepseek)

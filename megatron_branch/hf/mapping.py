@@ -1,4 +1,4 @@
-"""HF (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3) <-> Megatron GPTModel: config and weights.
+"""HF (Llama, Mistral, Qwen2/3, Qwen3-MoE, Mixtral, DeepSeek-V3, Qwen3-Next) <-> Megatron GPTModel: config, weights.
 
 Our own code: Megatron-Bridge, the usual converter, needs Transformer Engine and CUDA.
 Weights are plain tensors keyed by name on both sides; Megatron names are the stock
@@ -15,7 +15,9 @@ returns). Layouts that differ:
   over all experts then top-k (``moe_router_pre_softmax=True``) when the top-k weights are
   not renormalised (Qwen3-MoE ``norm_topk_prob=false``), softmax over the top-k logits
   otherwise (equal to renormalising; Mixtral, ``norm_topk_prob=true``);
-* DeepSeek-V3's multi-latent attention (dense MLP layers only): :mod:`.deepseek`.
+* DeepSeek-V3's multi-latent attention (dense MLP layers only): :mod:`.deepseek`;
+* Qwen3-Next's Gated DeltaNet / gated attention hybrid (dense MLP layers only), whose
+  zero-centered RMSNorm weights ``w`` are stored as ``1 + w``: :mod:`.qwen3_next`.
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from megatron_branch.hf import deepseek
+from megatron_branch.hf import deepseek, qwen3_next
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-             "Qwen3MoeForCausalLM", "MixtralForCausalLM", deepseek.ARCH)
+             "Qwen3MoeForCausalLM", "MixtralForCausalLM", deepseek.ARCH, qwen3_next.ARCH)
 MOE_ARCHS = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 MLA_ARCHS = (deepseek.ARCH,)  # multi-latent attention: MLATransformerConfig, attention mapped by .deepseek
+HYBRID_ARCHS = (qwen3_next.ARCH,)  # Gated DeltaNet hybrids: layers and norms mapped by .qwen3_next
 # HF names of an expert's (gate, up, down) projections and of the router, per architecture
 _EXPERT_NAMES = {"Qwen3MoeForCausalLM": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
                  "MixtralForCausalLM": ("block_sparse_moe.", ("w1", "w3", "w2"))}
@@ -43,12 +46,25 @@ def _arch(cfg: dict) -> str:
     archs = cfg.get("architectures") or []
     by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-               "deepseek_v3": deepseek.ARCH}
+               "deepseek_v3": deepseek.ARCH, qwen3_next.MODEL_TYPE: qwen3_next.ARCH}
     arch = archs[0] if archs else by_type.get(cfg.get("model_type"), "")
     if arch not in SUPPORTED:
         raise ValueError(f"config.json: architecture {arch or cfg.get('model_type')!r} is not supported "
                          f"(supported: {', '.join(SUPPORTED)})")
     return arch
+
+
+def _with_defaults(cfg: dict, arch: str) -> dict:
+    """``cfg`` with the architecture's HF defaults for fields a config.json may leave out
+    (Qwen3-Next's differ from the generic fallbacks, e.g. ``head_dim`` 256)."""
+    return qwen3_next.with_defaults(cfg) if arch in HYBRID_ARCHS else cfg
+
+
+def check_params_dtype(cfg: dict, dtype: torch.dtype) -> None:
+    """Raise ``ValueError`` if the weights of ``cfg`` cannot be held exactly in Megatron
+    parameters of ``dtype`` (Qwen3-Next's shifted norm weights need float32)."""
+    if _arch(cfg) in HYBRID_ARCHS:
+        qwen3_next.check_params_dtype(dtype)
 
 
 def _rope_params(cfg: dict) -> Tuple[float, dict]:
@@ -99,6 +115,8 @@ def _check_fields(cfg: dict, arch: str) -> None:
         raise ValueError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {groups}")
     if arch in MLA_ARCHS:
         deepseek.check_config(cfg)
+    if arch in HYBRID_ARCHS:
+        qwen3_next.check_config(cfg)
 
 
 def megatron_args_from_hf(cfg: dict) -> Tuple[dict, dict]:
@@ -109,6 +127,7 @@ def megatron_args_from_hf(cfg: dict) -> Tuple[dict, dict]:
             missing/invalid size field (named).
     """
     arch = _arch(cfg)
+    cfg = _with_defaults(cfg, arch)
     _check_fields(cfg, arch)
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json: hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)")
@@ -117,8 +136,9 @@ def megatron_args_from_hf(cfg: dict) -> Tuple[dict, dict]:
         raise ValueError(f"config.json: sliding_window={window} is not supported by tree attention")
     heads = cfg["num_attention_heads"]
     theta, params = _rope_params(cfg)
-    # GPTModel's own RoPE; multi-latent attention builds its RoPE (and YaRN) from config fields
-    rope = _rope(cfg)[1] if arch not in MLA_ARCHS else {}
+    # GPTModel's own RoPE; multi-latent attention builds its RoPE (and YaRN) from config fields,
+    # Qwen3-Next's (partial, unscaled) is checked by .qwen3_next
+    rope = _rope(cfg)[1] if arch not in MLA_ARCHS + HYBRID_ARCHS else {}
     config = dict(
         num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"], num_attention_heads=heads,
         num_query_groups=cfg.get("num_key_value_heads") or heads, ffn_hidden_size=cfg["intermediate_size"],
@@ -134,6 +154,10 @@ def megatron_args_from_hf(cfg: dict) -> Tuple[dict, dict]:
         for key in ("num_query_groups", "kv_channels", "add_qkv_bias"):
             config.pop(key)
         config.update(deepseek.mla_args(cfg, theta, params))
+    if arch in HYBRID_ARCHS:  # layer pattern, GDN sizes, gated attention; rotary_percent
+        hybrid, hybrid_model = qwen3_next.megatron_args(cfg, params)
+        config.update(hybrid)
+        rope.update(hybrid_model)
     model = dict(
         vocab_size=cfg["vocab_size"], max_sequence_length=cfg.get("max_position_embeddings", 4096),
         share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)),
@@ -217,6 +241,26 @@ def _taker(todo: Dict[str, Tensor], what: str):
     return take
 
 
+def _norm_taker(take, arch: str):
+    """``take_norm(name, size)``: ``take`` for a norm weight; for zero-centered norms
+    (Qwen3-Next) the weight ``1 + w``, refusing entries that would not come back on export."""
+    if arch not in HYBRID_ARCHS:
+        return take
+
+    def take_norm(name: str, size: int) -> Tensor:
+        w = take(name, size)
+        shifted, lost = qwen3_next.norm_to_megatron(w)
+        if lost.any():
+            raise TensorError(
+                f"checkpoint: tensor {name!r}: {int(lost.sum())} of {w.numel()} entries (e.g. {w[lost][0].item():.3g}) "
+                "are lost in 1 + w (float32), the weight megatron-core's local RMSNorm holds for Qwen3-Next's "
+                "x * (1 + w); the export could not give them back (of bf16 weights only nonzero |w| < 2^-16 can be)",
+                name)
+        return shifted
+
+    return take_norm
+
+
 def _attention_to_megatron(take, todo: Dict[str, Tensor], cfg: dict, hf: str, mg: str) -> Dict[str, Tensor]:
     """One layer's (grouped-query) attention: HF ``{hf}`` (``...self_attn.``) -> Megatron ``{mg}``."""
     heads, groups, hd = _dims(cfg)
@@ -250,29 +294,38 @@ def _attention_from_megatron(take, todo: Dict[str, Tensor], cfg: dict, mg: str, 
 
 
 def hf_to_megatron(state: Dict[str, Tensor], cfg: dict) -> Dict[str, Tensor]:
-    """HF ``model.*`` / ``lm_head`` tensors -> stock Megatron names (copies, same dtype).
+    """HF ``model.*`` / ``lm_head`` tensors -> stock Megatron names (copies, same dtype;
+    Qwen3-Next's zero-centered norm weights as ``1 + w`` in float32).
 
     Raises:
         TensorError: a missing tensor or one whose shape does not match ``cfg``, named.
         ValueError: unexpected tensors, or a config that is not supported.
     """
     arch = _arch(cfg)
+    cfg = _with_defaults(cfg, arch)
     _check_fields(cfg, arch)
     todo = dict(state)
     take = _taker(todo, "checkpoint")
     heads, groups, hd = _dims(cfg)
     hidden, vocab, ffn = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
 
+    take_norm = _norm_taker(take, arch)
+    gdn = qwen3_next.layer_pattern(cfg) if arch in HYBRID_ARCHS else [0] * cfg["num_hidden_layers"]
+
     out = {"embedding.word_embeddings.weight": take("model.embed_tokens.weight", vocab, hidden)}
     for i in range(cfg["num_hidden_layers"]):
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
         attn = hf + "self_attn."
-        out[mg + "input_layernorm.weight"] = take(hf + "input_layernorm.weight", hidden)
-        if arch in MLA_ARCHS:
+        out[mg + "input_layernorm.weight"] = take_norm(hf + "input_layernorm.weight", hidden)
+        if gdn[i]:
+            out.update(qwen3_next.gdn_to_megatron(take, cfg, hf + "linear_attn.", mg + "self_attention."))
+        elif arch in HYBRID_ARCHS:
+            out.update(qwen3_next.attention_to_megatron(take, take_norm, cfg, attn, mg + "self_attention."))
+        elif arch in MLA_ARCHS:
             out.update(deepseek.attention_to_megatron(take, cfg, attn, mg + "self_attention."))
         else:
             out.update(_attention_to_megatron(take, todo, cfg, attn, mg + "self_attention."))
-        out[mg + "pre_mlp_layernorm.weight"] = take(hf + "post_attention_layernorm.weight", hidden)
+        out[mg + "pre_mlp_layernorm.weight"] = take_norm(hf + "post_attention_layernorm.weight", hidden)
         if arch in MOE_ARCHS:
             block, (gate, up, down) = _EXPERT_NAMES[arch]
             experts = num_experts(cfg)
@@ -287,12 +340,13 @@ def hf_to_megatron(state: Dict[str, Tensor], cfg: dict) -> Dict[str, Tensor]:
         out[mg + "mlp.linear_fc1.weight"] = torch.cat(
             [take(hf + "mlp.gate_proj.weight", ffn, hidden), take(hf + "mlp.up_proj.weight", ffn, hidden)])
         out[mg + "mlp.linear_fc2.weight"] = take(hf + "mlp.down_proj.weight", hidden, ffn)
-    out["decoder.final_layernorm.weight"] = take("model.norm.weight", hidden)
+    out["decoder.final_layernorm.weight"] = take_norm("model.norm.weight", hidden)
     if not cfg.get("tie_word_embeddings", False):
         out["output_layer.weight"] = take("lm_head.weight", vocab, hidden)
     else:
         todo.pop("lm_head.weight", None)
-    todo = {k: v for k, v in todo.items() if not k.endswith("rotary_emb.inv_freq")}
+    todo = {k: v for k, v in todo.items() if not k.endswith("rotary_emb.inv_freq")
+            and not (arch in HYBRID_ARCHS and k.startswith(qwen3_next.IGNORED_PREFIX))}
     if todo:
         raise ValueError(f"checkpoint: unexpected tensors {sorted(todo)[:5]}")
     return out
@@ -301,19 +355,27 @@ def hf_to_megatron(state: Dict[str, Tensor], cfg: dict) -> Dict[str, Tensor]:
 def megatron_to_hf(state: Dict[str, Tensor], cfg: dict) -> Dict[str, Tensor]:
     """Stock Megatron names -> HF names (inverse of :func:`hf_to_megatron`)."""
     arch = _arch(cfg)
+    cfg = _with_defaults(cfg, arch)
     todo = dict(state)
     take = _taker(todo, "megatron state")
+    # zero-centered norms (Qwen3-Next): Megatron holds 1 + w
+    norm = qwen3_next.norm_from_megatron if arch in HYBRID_ARCHS else (lambda w: w)
+    gdn = qwen3_next.layer_pattern(cfg) if arch in HYBRID_ARCHS else [0] * cfg["num_hidden_layers"]
 
     out = {"model.embed_tokens.weight": take("embedding.word_embeddings.weight")}
     for i in range(cfg["num_hidden_layers"]):
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
         attn = hf + "self_attn."
-        out[hf + "input_layernorm.weight"] = take(mg + "input_layernorm.weight")
-        if arch in MLA_ARCHS:
+        out[hf + "input_layernorm.weight"] = norm(take(mg + "input_layernorm.weight"))
+        if gdn[i]:
+            out.update(qwen3_next.gdn_from_megatron(take, cfg, mg + "self_attention.", hf + "linear_attn."))
+        elif arch in HYBRID_ARCHS:
+            out.update(qwen3_next.attention_from_megatron(take, cfg, mg + "self_attention.", attn))
+        elif arch in MLA_ARCHS:
             out.update(deepseek.attention_from_megatron(take, cfg, mg + "self_attention.", attn))
         else:
             out.update(_attention_from_megatron(take, todo, cfg, mg + "self_attention.", attn))
-        out[hf + "post_attention_layernorm.weight"] = take(mg + "pre_mlp_layernorm.weight")
+        out[hf + "post_attention_layernorm.weight"] = norm(take(mg + "pre_mlp_layernorm.weight"))
         if arch in MOE_ARCHS:
             block, (gate_name, up_name, down_name) = _EXPERT_NAMES[arch]
             out[hf + block + "gate.weight"] = take(mg + "mlp.router.weight")
@@ -326,7 +388,7 @@ def megatron_to_hf(state: Dict[str, Tensor], cfg: dict) -> Dict[str, Tensor]:
         gate, up = take(mg + "mlp.linear_fc1.weight").chunk(2)
         out[hf + "mlp.gate_proj.weight"], out[hf + "mlp.up_proj.weight"] = gate, up
         out[hf + "mlp.down_proj.weight"] = take(mg + "mlp.linear_fc2.weight")
-    out["model.norm.weight"] = take("decoder.final_layernorm.weight")
+    out["model.norm.weight"] = norm(take("decoder.final_layernorm.weight"))
     if "output_layer.weight" in todo:
         out["lm_head.weight"] = take("output_layer.weight")
     if todo:

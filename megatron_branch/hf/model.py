@@ -13,25 +13,53 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor
 
+from megatron_branch._megatron import gdn_unavailable_reason
 from megatron_branch.full_state import full_state, load_full_state
 from megatron_branch.hf.io import read_config, read_weights
-from megatron_branch.hf.mapping import hf_to_megatron, megatron_args_from_hf, megatron_to_hf, num_experts
+from megatron_branch.hf.mapping import (
+    check_params_dtype,
+    hf_to_megatron,
+    megatron_args_from_hf,
+    megatron_to_hf,
+    num_experts,
+)
 from megatron_branch.layout import ParallelLayout
-from megatron_branch.spec.builders import build_gpt, llama_config, mla_config
+from megatron_branch.spec.builders import build_gpt, hybrid_config, llama_config, mla_config
 
 
 def build_from_hf_config(hf_cfg: dict, params_dtype: torch.dtype = torch.float32, spec_kwargs: Optional[dict] = None,
                          **config_overrides):
     """``(GPTModel, TransformerConfig)`` with the branch spec for a HF config dict (random weights);
-    an ``MLATransformerConfig`` for multi-latent attention (DeepSeek-V3)."""
+    an ``MLATransformerConfig`` for multi-latent attention (DeepSeek-V3), a hybrid Gated
+    DeltaNet config (:func:`~megatron_branch.spec.builders.hybrid_config`) for Qwen3-Next.
+
+    Raises:
+        ValueError: an unsupported config, or a ``params_dtype`` that cannot hold its
+            weights exactly (:func:`~megatron_branch.hf.mapping.check_params_dtype`).
+    """
+    check_params_dtype(hf_cfg, params_dtype)
     config_kwargs, model_kwargs = megatron_args_from_hf(hf_cfg)
+    layout = ParallelLayout.current()
+    if config_kwargs.get("experimental_attention_variant") and layout.initialized and layout.tp > 1:
+        # the branch GDN layer refuses TP without sequence parallelism (its out_norm gradient
+        # is summed over the TP ranks only for sequence-parallel norms; spec/gdn.py)
+        config_kwargs.update(tensor_model_parallel_size=layout.tp, sequence_parallel=True)
     config_kwargs.update(config_overrides)
     if num_experts(hf_cfg):  # Megatron's MoE layer with sequential experts, branch statistics
         spec_kwargs = {"num_experts": num_experts(hf_cfg), "moe_grouped_gemm": False, **(spec_kwargs or {})}
-    # DeepSeek-V3: an MLATransformerConfig (multi-latent attention), otherwise a plain one
-    make_config = mla_config if config_kwargs.get("multi_latent_attention") else llama_config
+    # DeepSeek-V3: an MLATransformerConfig (multi-latent attention); Qwen3-Next: the hybrid
+    # GDN config (deterministic_mode: Megatron's torch GDN kernels); otherwise a plain one
+    if config_kwargs.get("multi_latent_attention"):
+        make_config = mla_config
+    elif config_kwargs.get("experimental_attention_variant") == "gated_delta_net":
+        reason = gdn_unavailable_reason()
+        if reason:  # megatron-core 0.16 has no GatedDeltaNet: say so before TransformerConfig rejects the fields
+            raise ValueError(f"{(hf_cfg.get('architectures') or [hf_cfg.get('model_type')])[0]}: {reason}")
+        config_kwargs.pop("experimental_attention_variant")  # hybrid_config sets it
+        make_config = hybrid_config
+    else:
+        make_config = llama_config
     config = make_config(params_dtype=params_dtype, **config_kwargs)
-    layout = ParallelLayout.current()
     if layout.initialized:
         model_kwargs.setdefault("pre_process", layout.first_stage)
         model_kwargs.setdefault("post_process", layout.last_stage)
@@ -57,7 +85,8 @@ def load_gpt_from_hf(hf_dir: str, params_dtype: torch.dtype = torch.float32, **s
 
 
 def load_state(model, state: Dict[str, Tensor]) -> None:
-    """Load unsharded stock-named weights on any TP/PP/EP layout (:func:`megatron_branch.full_state.load_full_state`)."""
+    """Load unsharded stock-named weights on any TP/PP/EP layout
+    (:func:`megatron_branch.full_state.load_full_state`)."""
     load_full_state(model, state)
 
 
