@@ -29,12 +29,13 @@ from megatron_branch.attention.pieces import (  # noqa: F401 - re-exported
     plan_pieces,
     tile_rect,
 )
-from megatron_branch.attention.prefix import merge, merge_rows, prefix_backward, prefix_forward
+from megatron_branch.attention.prefix import prefix_backward, prefix_forward
 
 
 class CascadeAttentionFunction(torch.autograd.Function):
     """Autograd function of :func:`cascade_attention` (saves q, k, v, the path K/V, merged
-    out and lse). Pieces run in batches of equal shape (:func:`plan_batches`)."""
+    out and lse). Pieces run in batches of equal shape (:func:`plan_batches`); every
+    piece's ``(out, lse)`` is kept and all are merged at once (:func:`_merge`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, batches, scale, kernel, blocks, prefix_cp, *prefix):
@@ -43,17 +44,21 @@ class CascadeAttentionFunction(torch.autograd.Function):
         # GQA: repeat the (local, short) K/V heads so every piece is a plain attention.
         ke = k.repeat_interleave(rep, dim=1) if rep > 1 else k
         ve = v.repeat_interleave(rep, dim=1) if rep > 1 else v
-        n, h, d = q.shape
-        out = torch.zeros(n, h, v.shape[-1], dtype=torch.float32, device=q.device)
-        lse = torch.full((h, n), float("-inf"), dtype=torch.float32, device=q.device)
+        n, h, _ = q.shape
+        outs, lses, dests = [], [], []
         for b in batches:
-            qb, kb, vb = _gather(q, b.q_index), _gather(ke, b.k_index), _gather(ve, b.k_index)
+            qb, kb, vb = _rows(q, b, True), _rows(ke, b, False), _rows(ve, b, False)
             o, l = fwd(qb, kb, vb, b.causal, scale)  # [B, nq, h, d], [B, h, nq]
-            merge_rows(out, lse, b.rows.to(q.device), o[b.valid], l.transpose(1, 2)[b.valid])
+            outs.append(o.reshape(-1, h, o.shape[-1]))
+            lses.append(l.transpose(1, 2).reshape(-1, h))
+            dests.append(b.dest)
         q_block, k_block = blocks
         if prefix:
             o, l = prefix_forward(q, prefix[0], prefix[1], scale, fwd, q_block, k_block, prefix_cp)
-            merge(out, lse, 0, n, o, l)
+            outs.append(o)
+            lses.append(l.transpose(0, 1))
+            dests.append(torch.arange(n, device=q.device))
+        out, lse = _merge(n, outs, lses, dests)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         # The path K/V are rows of the prefix cache, which later stems write beyond them;
@@ -72,21 +77,31 @@ class CascadeAttentionFunction(torch.autograd.Function):
         ke = k.repeat_interleave(rep, dim=1) if rep > 1 else k
         ve = v.repeat_interleave(rep, dim=1) if rep > 1 else v
         dout = dout.contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        n = q.shape[0]
+        # One spare row at n for padded entries: zero dO (and zero out, infinite lse, so
+        # P = 0): a padded query moves no gradient anywhere.
+        spare = lambda x, fill: torch.cat([x, x.new_full((1, *x.shape[1:]), fill)])  # noqa: E731
+        padded = any(b.view is None for b in ctx.batches)
+        dout_x, out_x = (spare(dout, 0.0), spare(out, 0.0)) if padded else (dout, out)
+        lse_rows = lse.transpose(0, 1)  # [n, h]
+        lse_x = spare(lse_rows, float("inf")) if padded else lse_rows
+        dq = torch.zeros((n + 1, *q.shape[1:]), dtype=torch.float32, device=q.device)
         dk = torch.zeros(ke.shape, dtype=torch.float32, device=q.device)
         dv = torch.zeros(ve.shape, dtype=torch.float32, device=q.device)
-        lse_rows = lse.transpose(0, 1)  # [n, h]
         for b in ctx.batches:
-            valid = b.valid.to(q.device)
-            # padded queries: no output gradient and an infinite lse, so they move nothing
-            do = _gather(dout, b.q_index) * valid[..., None, None]
-            lb = torch.where(valid[..., None], _gather(lse_rows, b.q_index), float("inf")).transpose(1, 2)
-            gq, gk, gv = bwd(do, _gather(q, b.q_index), _gather(ke, b.k_index), _gather(ve, b.k_index),
-                             _gather(out, b.q_index), lb.contiguous(), b.causal, ctx.scale)
-            dq.index_add_(0, b.rows.to(q.device), gq[valid].float())
-            k_rows = b.k_index.reshape(-1).to(q.device)
+            lb = _out_rows(lse_x, b).transpose(1, 2).contiguous()  # [B, h, nq]
+            gq, gk, gv = bwd(_out_rows(dout_x, b), _rows(q, b, True), _rows(ke, b, False), _rows(ve, b, False),
+                             _out_rows(out_x, b), lb, b.causal, ctx.scale)
+            if b.view is not None:  # disjoint strided rows: add in place
+                _rows(dq, b, True).add_(gq)
+                _rows(dk, b, False).add_(gk)
+                _rows(dv, b, False).add_(gv)
+                continue
+            dq.index_add_(0, b.dest, gq.reshape(-1, *gq.shape[2:]).float())
+            k_rows = b.k_index.reshape(-1)
             dk.index_add_(0, k_rows, gk.reshape(-1, *gk.shape[2:]).float())
             dv.index_add_(0, k_rows, gv.reshape(-1, *gv.shape[2:]).float())
+        dq = dq[:n]
         if rep > 1:
             # [n, h, d] -> [n, hk, rep, d] -> sum over the repeated heads
             dk = dk.view(dk.shape[0], -1, rep, dk.shape[-1]).sum(2)
@@ -101,9 +116,46 @@ class CascadeAttentionFunction(torch.autograd.Function):
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, *prefix_grads)
 
 
-def _gather(x: Tensor, index: Tensor) -> Tensor:
-    """Rows ``index [B, m]`` of ``x [n, ...]`` as ``[B, m, ...]``."""
-    return x.index_select(0, index.reshape(-1).to(x.device)).view(*index.shape, *x.shape[1:])
+def _strided(x: Tensor, lo: int, step: int, count: int, width: int) -> Tensor:
+    """Rows ``[lo + b * step, + width)`` of ``x [n, ...]`` for ``b < count`` as a
+    ``[count, width, ...]`` view."""
+    s0 = x.stride(0)
+    return x.as_strided((count, width, *x.shape[1:]), (step * s0, s0, *x.stride()[1:]), x.storage_offset() + lo * s0)
+
+
+def _rows(x: Tensor, b: PieceBatch, queries: bool) -> Tensor:
+    """The batch's query (or key) rows of ``x`` as ``[B, m, ...]``: a view where the
+    batch is strided, else a gather."""
+    index = b.q_index if queries else b.k_index
+    if b.view is not None:
+        q_lo, q_step, k_lo, k_step = b.view
+        lo, step = (q_lo, q_step) if queries else (k_lo, k_step)
+        return _strided(x, lo, step, *index.shape)
+    return x.index_select(0, index.reshape(-1)).view(*index.shape, *x.shape[1:])
+
+
+def _out_rows(x: Tensor, b: PieceBatch) -> Tensor:
+    """Per-query rows (``dO``, ``O``, lse) of the batch's entries, the spare row for padding."""
+    if b.view is not None:
+        return _rows(x, b, True)
+    return x.index_select(0, b.dest).view(*b.q_index.shape, *x.shape[1:])
+
+
+def _merge(n: int, outs, lses, dests) -> Tuple[Tensor, Tensor]:
+    """Every piece's ``(o [m, h, d], l [m, h])`` for output rows ``dests [m]`` (repeats
+    allowed; row ``n`` is the spare row of padded entries) merged by one log-sum-exp:
+    ``(out [n, h, d] float32, lse [h, n])``."""
+    o = torch.cat([x.float() for x in outs])
+    l, d = torch.cat([x.float() for x in lses]), torch.cat(dests)
+    h = l.shape[1]
+    top = torch.full((n + 1, h), float("-inf"), device=l.device).scatter_reduce_(0, d[:, None].expand_as(l), l, "amax")
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)  # rows with no key (the spare row)
+    w = torch.exp(l - top.index_select(0, d))  # [m, h]
+    total = torch.zeros_like(top).index_add_(0, d, w)
+    acc = torch.zeros((n + 1, h, o.shape[-1]), device=o.device).index_add_(0, d, o.mul_(w.unsqueeze(-1)))
+    total = total[:n]
+    out = acc[:n].div_(total.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1))
+    return out, (top[:n] + torch.log(total)).transpose(0, 1)
 
 
 def cascade_attention(
@@ -143,5 +195,5 @@ def cascade_attention(
     flat = list(prefix) if prefix is not None else []
     batches = [p for p in pieces if isinstance(p, PieceBatch)]
     if len(batches) != len(pieces):
-        batches = plan_batches(pieces)
+        batches = plan_batches(pieces, num_rows=q.shape[0])
     return CascadeAttentionFunction.apply(q, k, v, batches, scale, kernel, (q_block, k_block), prefix_cp, *flat)

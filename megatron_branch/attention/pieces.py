@@ -10,7 +10,7 @@ every visible (query, key) pair exactly once, with no ``U x U`` mask.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -89,29 +89,45 @@ class PieceBatch:
         q_index: ``[B, nq]`` query row of each batch entry (padding repeats a real row).
         k_index: ``[B, nk]`` key row of each batch entry.
         valid: ``[B, nq]`` the entry is a real query of its piece.
-        rows: ``[M]`` the real query rows, in ``q_index[valid]`` order.
+        dest: ``[B * nq]`` the output row of each entry; padding goes to the spare row
+            ``num_rows`` (one past the last query), which the merge drops.
+        view: ``(q_lo, q_step, k_lo, k_step)`` when entry ``b`` is exactly the rows
+            ``[q_lo + b * q_step, + nq)`` and keys ``[k_lo + b * k_step, + nk)`` with no
+            padding and no row shared by two entries: the batch is then a strided view of
+            the packed tensors (no gather, and its gradients are added in place).
     """
 
     causal: bool
     q_index: torch.Tensor
     k_index: torch.Tensor
     valid: torch.Tensor
-    rows: torch.Tensor
+    dest: torch.Tensor
+    view: Optional[Tuple[int, int, int, int]] = None
 
     def to(self, device) -> "PieceBatch":
         """The same batch with its index tensors on ``device``."""
         return PieceBatch(self.causal, self.q_index.to(device), self.k_index.to(device), self.valid.to(device),
-                          self.rows.to(device))
+                          self.dest.to(device), self.view)
 
 
 MAX_BATCH_ROWS = 1 << 16  # most query rows gathered for one batched call
 
 
-def plan_batches(pieces: Sequence[AttentionPiece], max_scores: Optional[int] = None) -> List[PieceBatch]:
+def plan_batches(pieces: Sequence[AttentionPiece], max_scores: Optional[int] = None,
+                 num_rows: Optional[int] = None) -> List[PieceBatch]:
     """Group pieces into batched calls: causal squares by bucketed length, rectangles by
     key count and bucketed query count; a group is split so a call gathers at most
     :data:`MAX_BATCH_ROWS` query rows and, for kernels that materialise scores, at most
-    ``max_scores`` (query, key) pairs per head."""
+    ``max_scores`` (query, key) pairs per head.
+
+    Args:
+        pieces: from :func:`plan_pieces`.
+        max_scores: the score-tile bound of kernels that materialise scores.
+        num_rows: the number of query rows (default: one past the last piece's queries);
+            padded entries write to row ``num_rows``.
+    """
+    if num_rows is None:
+        num_rows = max((p.q_hi for p in pieces), default=0)
     groups: dict = {}
     for p in pieces:
         nq, nk = p.q_hi - p.q_lo, p.k_hi - p.k_lo
@@ -123,15 +139,28 @@ def plan_batches(pieces: Sequence[AttentionPiece], max_scores: Optional[int] = N
         if max_scores is not None:
             per_call = max(1, min(per_call, max_scores // (nq_b * nk_b)))
         for first in range(0, len(members), per_call):
-            batches.append(_batch(members[first:first + per_call], causal, nq_b, nk_b))
+            batches.append(_batch(members[first:first + per_call], causal, nq_b, nk_b, num_rows))
     return batches
 
 
-def _batch(members: Sequence[AttentionPiece], causal: bool, nq_b: int, nk_b: int) -> PieceBatch:
+def _steps(starts: List[int], width: int) -> Optional[int]:
+    """The common step between consecutive ``starts`` if ranges of ``width`` from them are
+    evenly spaced and disjoint (``width`` for a single range), else ``None``."""
+    if len(starts) == 1:
+        return width
+    step = starts[1] - starts[0]
+    if step < width or any(b - a != step for a, b in zip(starts, starts[1:])):
+        return None
+    return step
+
+
+def _batch(members: Sequence[AttentionPiece], causal: bool, nq_b: int, nk_b: int, num_rows: int) -> PieceBatch:
     # planned on the host; BranchPackedSeqParams moves each batch to the device once per forward
     steps = torch.arange(nq_b, device=HOST)
-    q_lo = torch.tensor([p.q_lo for p in members], device=HOST)[:, None]
-    q_len = torch.tensor([p.q_hi - p.q_lo for p in members], device=HOST)[:, None]
+    q_los = [p.q_lo for p in members]
+    q_lens = [p.q_hi - p.q_lo for p in members]
+    q_lo = torch.tensor(q_los, device=HOST)[:, None]
+    q_len = torch.tensor(q_lens, device=HOST)[:, None]
     valid = steps[None, :] < q_len
     q_index = q_lo + torch.minimum(steps[None, :], q_len - 1)
     k_lo = torch.tensor([p.k_lo for p in members], device=HOST)[:, None]
@@ -139,4 +168,10 @@ def _batch(members: Sequence[AttentionPiece], causal: bool, nq_b: int, nk_b: int
         k_index = k_lo + torch.minimum(steps[None, :], q_len - 1)
     else:
         k_index = k_lo + torch.arange(nk_b, device=HOST)[None, :]
-    return PieceBatch(causal, q_index, k_index, valid, q_index[valid])
+    dest = torch.where(valid, q_index, num_rows).reshape(-1)
+    view = None
+    if all(n == nq_b for n in q_lens):
+        q_step, k_step = _steps(q_los, nq_b), _steps([p.k_lo for p in members], nk_b)
+        if q_step is not None and k_step is not None:
+            view = (q_los[0], q_step, members[0].k_lo, k_step)
+    return PieceBatch(causal, q_index, k_index, valid, dest, view)

@@ -141,7 +141,7 @@ def thd_attention(query: Tensor, key: Tensor, value: Tensor, packed_seq_params, 
     t, h, _ = query.shape
     causal = mask_type is None or mask_type in CAUSAL_TYPES
     pieces = thd_pieces(packed_seq_params, t, causal, q_block, k_block)
-    batches = plan_batches(pieces, q_block * k_block if q_block and k_block else None)
+    batches = plan_batches(pieces, q_block * k_block if q_block and k_block else None, num_rows=t)
     out = cascade_attention(query, key, value, batches, scale, kernel)
     # [t, h, d] -> [t, h * d]
     return out.reshape(t, -1)

@@ -72,26 +72,6 @@ def merge(out: Tensor, lse: Tensor, q_lo: int, q_hi: int, o: Tensor, l: Tensor) 
     lse[:, q_lo:q_hi] = new_l
 
 
-def merge_rows(out: Tensor, lse: Tensor, rows: Tensor, o: Tensor, l: Tensor) -> None:
-    """Fold piece results for query ``rows`` (``[M]``, repeats allowed) into the running
-    ``out [U, h, d]`` / ``lse [h, U]`` (float32, in place): a log-sum-exp over the rows'
-    current value and all their new ones, touching only those rows.
-
-    Args:
-        o: ``[M, h, d]`` outputs; l: ``[M, h]`` log-sum-exps.
-    """
-    touched, inverse = torch.unique(rows, return_inverse=True)
-    old_l = lse[:, touched].transpose(0, 1)  # [R, h]
-    top = old_l.clone().scatter_reduce_(0, inverse[:, None].expand_as(l), l.float(), "amax")
-    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)  # rows with no key yet: weights 0
-    w_old = torch.exp(old_l - top)
-    w_new = torch.exp(l.float() - top[inverse])  # [M, h]
-    total = w_old.clone().index_add_(0, inverse, w_new)
-    acc = (out[touched] * w_old.unsqueeze(-1)).index_add_(0, inverse, o.float() * w_new.unsqueeze(-1))
-    out[touched] = acc / total.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
-    lse[:, touched] = (top + torch.log(total)).transpose(0, 1)
-
-
 def local_forward(q: Tensor, pk: Tensor, pv: Tensor, scale: float, fwd, q_block, k_block) -> Tuple[Tensor, Tensor]:
     """``(out [n, h, d] float32, lse [h, n])`` of ``q`` on the path rows held here
     (``lse = -inf`` where there are none)."""

@@ -169,7 +169,8 @@ class BranchPackedSeqParams(PackedSeqParams):
         key = ("batches", q_block, k_block)
         if key not in self._pieces:
             max_scores = q_block * k_block if q_block and k_block else None
-            self._pieces[key] = plan_batches(self.pieces(q_block, k_block), max_scores)
+            lo, hi = self.local
+            self._pieces[key] = plan_batches(self.pieces(q_block, k_block), max_scores, num_rows=hi - lo)
         if device is None:
             return self._pieces[key]
         on = key + (str(device),)

@@ -18,7 +18,8 @@ CPU flash kernel through SDPA or the cascade's piece calls), so ratios measure m
   score tensor and a plain softmax (the dense-mask reference; AReaL runs tree attention
   through FlexAttention with a block mask, which this is not).
 * ``ours``: the full tree, cascade attention, one packed pass.
-* ``ours_stream``: the full tree, streaming replay with a bounded chunk.
+* ``ours_stream``: the full tree, streaming replay with the bench's chunk budget;
+  ``ours_stream_small`` with an eighth of it (many chunks: the cost per chunk).
 
 On a Mixture-of-Experts model the naive batch masks its padding out of the router
 statistics (:func:`megatron_branch.spec.moe.naive_moe_logprobs`) and the tree methods run
@@ -52,6 +53,8 @@ class Prepared:
     attention_pairs: int
     step: Optional[Callable[[], None]]
     skipped: str = ""
+    chunk_tokens: Optional[int] = None  # streaming methods: the chunk budget
+    stats: Optional[dict] = None  # streaming methods: units of the last step (chunks, stems)
 
 
 
@@ -118,9 +121,14 @@ def prepare_methods(
                 loss_fn(causal_logprobs(models["cascade"], seqs[lo: lo + k], width), ids).backward()
         return run
 
-    def replay(model, share_limit=None, **kw):
+    def replay(model, share_limit=None, record=None, **kw):
         tree_kw = {} if share_limit is None else {"share_limit": share_limit}
-        return lambda: step(model, BranchTree.from_sequences(seqs, **tree_kw), loss_fn, **kw)
+
+        def run():
+            stats = step(model, BranchTree.from_sequences(seqs, **tree_kw), loss_fn, **kw)
+            if record is not None:
+                record.stats = {"chunks": stats.num_chunks, "stems": stats.num_stems}
+        return run
 
     heads = models["dense"].config.num_attention_heads
     dense_bytes = 4 * heads * tree.unique_positions**2
@@ -142,9 +150,14 @@ def prepare_methods(
                  "" if dense_ok else f"O(U^2) scores exceed {dense_max_score_bytes / 2**30:.2g} GiB"),
         Prepared("ours", "cascade pieces (flash CPU), one pass", tree.unique_positions,
                  tree.attention_pairs(), replay(models["cascade"])),
-        Prepared("ours_stream", f"cascade + prefix cache, chunks of {chunk_tokens}", tree.unique_positions,
-                 tree.attention_pairs(), replay(models["cascade"], max_chunk_tokens=chunk_tokens)),
     ]
+    # streaming at the bench's budget and at a small one (many chunks: the per-chunk cost)
+    small = max(16, chunk_tokens // 8)
+    for name, budget in (("ours_stream", chunk_tokens), ("ours_stream_small", small)):
+        p = Prepared(name, f"cascade + prefix cache, chunks of {budget}", tree.unique_positions,
+                     tree.attention_pairs(), None, chunk_tokens=budget)
+        p.step = replay(models["cascade"], record=p, max_chunk_tokens=budget)
+        methods.append(p)
     if names:
         methods = [m for m in methods if m.name in names or (m.name.startswith("naive_") and "naive" in names)]
     return methods

@@ -304,11 +304,29 @@ def _summarise(shape, batch, prepared, times, memory, diffs, shape_m) -> dict:
                 row["speedup"] = spread(ratios)
                 row["fraction_of_ideal"] = {k: v / ideal for k, v in row["speedup"].items()}
         rows.append(row)
+    _streaming_costs(rows, prepared, times)
     return {
         "shape": shape.name, "rollouts": len(batch.sequences), "segments": _segments(batch),
         "naive_positions": sum(batch.lengths), "unique_positions": ours.positions, "ideal_flop_ratio": ideal,
         "naive_flops_unpadded": naive_ideal["total"], "naive_reference": best, "methods": rows,
     }
+
+
+def _streaming_costs(rows, prepared, times) -> None:
+    """Streaming rows get their units and their cost against one pass, paired per repeat:
+    ``fraction_of_one_pass`` (one pass's time / streaming's) and ``seconds_per_chunk``
+    ((streaming - one pass) / chunk units, the overhead each chunk adds)."""
+    if "ours" not in times:
+        return
+    by_name = {p.name: p for p in prepared}
+    for row in rows:
+        p = by_name[row["method"]]
+        if p.chunk_tokens is None or p.name not in times or not p.stats:
+            continue
+        one, t = times["ours"], times[p.name]
+        row.update(chunk_tokens=p.chunk_tokens, **p.stats)
+        row["fraction_of_one_pass"] = spread([a / b for a, b in zip(one, t)])
+        row["seconds_per_chunk"] = spread([(b - a) / max(p.stats["chunks"], 1) for a, b in zip(one, t)])
 
 
 def _segments(batch) -> int:
@@ -341,6 +359,12 @@ def format_table(report: dict) -> str:
                 f"{(100 * r['fraction_of_ideal']['median'] if sp else 0):>7.0f}%{r['flops'] / 1e9:>8.1f}"
                 f"{r['peak_memory_bytes'] / 2**20:>9.1f}{r['max_rel_grad_diff']:>10.1e}"
             )
+        for r in s["methods"]:
+            if "fraction_of_one_pass" in r:
+                f, c = r["fraction_of_one_pass"], r["seconds_per_chunk"]
+                lines.append(f"  {r['method']}: budget {r['chunk_tokens']}, {r['chunks']} chunks + {r['stems']} stems; "
+                             f"{100 * f['median']:.0f}% of one pass's speed [{100 * f['min']:.0f}-{100 * f['max']:.0f}], "
+                             f"{1e3 * c['median']:+.1f} ms per chunk")
     for s in report.get("skipped_shapes", []):
         lines.append(f"\n{s['shape']}: skipped: {s['skipped']}")
     lines.append("\nkernels: " + "; ".join(f"{r['method']}: {r['kernel']}" for r in report["shapes"][0]["methods"]))
@@ -443,7 +467,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per method (median)")
     parser.add_argument("--chunk-tokens", type=int, default=None, help="streaming replay budget")
     parser.add_argument("--methods", nargs="+", default=None,
-                        choices=["naive", "packed", "prompt_once", "dense_tree", "ours", "ours_stream"],
+                        choices=["naive", "packed", "prompt_once", "dense_tree", "ours", "ours_stream", "ours_stream_small"],
                         help="subset of methods (naive, the micro-batch sweep, is the reference and should be "
                              "included)")
     parser.add_argument("--threads", type=int, default=None,
