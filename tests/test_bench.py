@@ -9,7 +9,7 @@ import pytest
 from megatron_branch.commands.bench.run import BenchConfig, Shape, format_table, plot, run_bench
 from megatron_branch.flops import ModelShape, causal_pairs, step_flops
 
-TREE_METHODS = {"packed", "prompt_once", "dense_tree", "ours", "ours_stream"}
+TREE_METHODS = {"packed", "prompt_once", "dense_tree", "ours", "ours_stream", "ours_stream_small"}
 
 
 def tiny_config(**kw):
@@ -54,6 +54,13 @@ def test_tiny_bench_report(tmp_path):
         # padding: micro-batches of one rollout run exactly the rollouts' positions
         assert rows["naive_mb1"]["positions"] == shape["naive_positions"]
         assert rows["ours"]["flops"] < rows["naive_mb1"]["flops"]
+        # streaming rows: their units and their cost against one pass, per chunk
+        for name, budget in (("ours_stream", 48), ("ours_stream_small", 16)):
+            r = rows[name]
+            assert r["chunk_tokens"] == budget and r["chunks"] >= 1 and r["stems"] >= 1, r
+            _check_spread(r["fraction_of_one_pass"])
+            _check_spread(r["seconds_per_chunk"])
+        assert rows["ours_stream_small"]["chunks"] > rows["ours_stream"]["chunks"]
     assert next(s for s in report["shapes"] if s["shape"] == "agentic")["segments"] >= 2 * (1 + 3 + 9)  # random tokens: siblings may share a first token
     prof = report["profile"][0]
     assert prof["shape"] == "G=4" and prof["ours_wall_seconds"] > 0
@@ -61,7 +68,7 @@ def test_tiny_bench_report(tmp_path):
     assert abs(total - prof["ours_wall_seconds"]) < 1e-6 * max(1.0, total) + 1e-9  # categories + overhead = wall
     table = format_table(report)
     assert "ideal FLOP ratio" in table and "ours_stream" in table and "naive_mb4" in table
-    assert "where ours' gap" in table and "[" in table
+    assert "where ours' gap" in table and "[" in table and "ms per chunk" in table
     plot(report, str(tmp_path / "bench.png"))
     assert (tmp_path / "bench.png").stat().st_size > 10_000
     json.dumps(report)
