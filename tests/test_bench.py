@@ -104,8 +104,11 @@ def test_peer_prefix_grouper_is_exact():
     assert "mb_sdpa_varlen" in peer["inner_attention"]
     for s in peer["shapes"]:
         rows = {r["method"]: r for r in s["methods"]}
-        assert {"prefix_grouper", "ours", "hf_naive_mb1"} <= set(rows)
+        assert {"prefix_grouper", "ours", "hf_naive_mb1", "megatron_naive_mb1"} <= set(rows)
         assert s["hf_naive_reference"].startswith("hf_naive_mb")
+        assert s["megatron_naive_reference"].startswith("megatron_naive_mb")
+        for key in ("ours_over_peer", "framework_cost", "method_ratio"):  # paired ratios
+            _check_spread(s[key])
         for name, r in rows.items():
             _check_spread(r["seconds"])
             _check_spread(r["speedup"])
@@ -113,7 +116,7 @@ def test_peer_prefix_grouper_is_exact():
         # log-probs of the response tokens agree with every rollout run through HF alone
         assert rows["prefix_grouper"]["max_abs_logprob_diff"] < 1e-5
         assert rows["ours"]["max_abs_logprob_diff"] < 1e-5
-    assert "prefix_grouper" in format_peer(peer)
+    assert "prefix_grouper" in format_peer(peer) and "framework per-position cost" in format_peer(peer)
 
 
 def test_sdpa_varlen_matches_per_sequence_causal():

@@ -16,7 +16,13 @@ sharing: one prompt, G responses). Compared, forward+backward of one per-token l
   masking semantics with torch SDPA: the 2-D padding mask selects the valid keys, the
   queries are the last ``q_len`` columns of it, causal aligned bottom-right over the
   valid tokens (what flash-attn's unpad + ``causal=True`` does);
+* ``megatron_naive_mb{k}``: the same rollouts through the Megatron model (fused causal
+  SDPA, the bench's naive): with HF naive, the frameworks' per-position costs;
 * ``ours``: branch replay on the Megatron model (tree building included).
+
+Reported per shape: ours' speed against prefix_grouper's (``ours_over_peer``), the
+framework cost (fastest Megatron naive / fastest HF naive) and the method ratio (ours'
+speed-up over Megatron naive / prefix_grouper's over HF naive), each paired per repeat.
 
 Exactness: response-token log-probs (max abs difference) and gradients (max relative
 difference per tensor, Megatron's converted to HF names) vs the HF naive run.
@@ -33,6 +39,7 @@ from typing import Dict, List
 import torch
 import torch.nn.functional as F
 
+from megatron_branch.commands.bench.methods import causal_logprobs
 from megatron_branch.commands.bench.stats import spread
 from megatron_branch.hf.mapping import megatron_to_hf
 from megatron_branch.hf.model import load_gpt_from_hf, model_state
@@ -211,6 +218,13 @@ def run_peer(cfg, echo=print) -> dict:
                     _loss(lps, ids, adv, tokens).backward()
             return run
 
+        def megatron_step(k):  # the same rollouts through the Megatron model: the framework's own naive
+            def run():
+                for lo in range(0, num, k):
+                    ids = torch.arange(lo, min(lo + k, num))
+                    ours_loss(causal_logprobs(ours_model, seqs[lo: lo + k], width), ids).backward()
+            return run
+
         def pg_step():
             _loss(_pg_logprobs(hf_pg, seqs, prompts, groups), list(range(num)), adv, tokens).backward()
 
@@ -219,6 +233,7 @@ def run_peer(cfg, echo=print) -> dict:
 
         sizes = sorted({min(k, num) for k in (1, 2, 4, num)})
         steps = {f"hf_naive_mb{k}": (hf_step(k), hf_naive) for k in sizes}
+        steps.update({f"megatron_naive_mb{k}": (megatron_step(k), ours_model) for k in sizes})
         steps["prefix_grouper"] = (pg_step, hf_pg)
         steps["ours"] = (ours_step, ours_model)
 
@@ -261,9 +276,18 @@ def run_peer(cfg, echo=print) -> dict:
             rows.append({"method": name, "seconds": spread(times[name]), "speedup": spread(ratios),
                          "max_rel_grad_diff": grad_diff[name],
                          "max_abs_logprob_diff": lp_diff.get(name, 0.0 if name.startswith("hf_naive") else None)})
+        meg = min((n for n in times if n.startswith("megatron_naive")), key=lambda n: statistics.median(times[n]))
+        # paired per repeat: the framework's per-position cost (Megatron naive / HF naive) and the
+        # method's (ours' speed-up over Megatron naive / prefix_grouper's over HF naive)
+        framework = [m / h for m, h in zip(times[meg], times[best])]
+        method = [(m / o) / (h / p) for m, o, h, p in zip(times[meg], times["ours"], times[best],
+                                                          times["prefix_grouper"])]
+        overall = [p / o for p, o in zip(times["prefix_grouper"], times["ours"])]
         out["shapes"].append({"shape": shape.name, "rollouts": num, "naive_positions": positions_naive,
                               "unique_positions": unique, "position_ratio": positions_naive / unique,
-                              "hf_naive_reference": best, "methods": rows})
+                              "hf_naive_reference": best, "megatron_naive_reference": meg, "methods": rows,
+                              "ours_over_peer": spread(overall), "framework_cost": spread(framework),
+                              "method_ratio": spread(method)})
         echo(f"peer {shape.name}: done")
     return out
 
@@ -285,4 +309,10 @@ def format_peer(peer: dict) -> str:
                          f"{'%.3f [%.3f-%.3f]' % (sec['median'], sec['min'], sec['max']):>26s}"
                          f"{'%.2f [%.2f-%.2f]' % (sp['median'], sp['min'], sp['max']):>24s}"
                          f"{('%.1e' % lp) if lp is not None else '-':>10s}{r['max_rel_grad_diff']:>11.1e}")
+        if "ours_over_peer" in s:
+            o, f, m = s["ours_over_peer"], s["framework_cost"], s["method_ratio"]
+            lines.append(f"ours vs prefix_grouper: {o['median']:.2f}x its speed [{o['min']:.2f}-{o['max']:.2f}]; "
+                         f"framework per-position cost (Megatron naive / HF naive) {f['median']:.2f}x; "
+                         f"method alone (each speed-up over its own framework's naive) {m['median']:.2f}x "
+                         f"[{m['min']:.2f}-{m['max']:.2f}]")
     return "\n".join(lines)

@@ -114,7 +114,8 @@ class BenchConfig:
             Shape("GDN hybrid, G=16 p/r=16", [16 * resp], [16], [resp], hybrid=True),
         ]
         peer_shapes = [Shape("G=16 1024+64", [1024], [16], [64]),
-                       Shape("2 prompts, G=8 512+128", [512] * 2, [8], [128])]
+                       Shape("2 prompts, G=8 512+128", [512] * 2, [8], [128]),
+                       Shape("G=8 512+256", [512], [8], [256])]
         profile = ["G=16 p/r=16", "agentic forest 4x128, 3 turns x16, 4-way", "16x(4096+96)"]
         # hidden 128 (head dim 32): the naive micro-batch sweep on 16 x (4096 + 96) and 256-rollout forests
         # must fit a ~25-minute run on 2 shared cores
