@@ -60,6 +60,7 @@ OUTPUTS: Dict[str, Tuple[Tuple[str, str], ...]] = {
 }
 INPUTS: Dict[str, Tuple[Tuple[str, str], ...]] = {
     "plan": (("hf_config", "json"),),
+    "bench": (("table", "bench-json"),),
 }
 # Integer flags that must be >= 1 when given (bench-scale checks its own).
 POSITIVE: Dict[str, Tuple[str, ...]] = {
@@ -107,8 +108,10 @@ def preflight(command: str, args: argparse.Namespace) -> None:
             raise ValueError(f"{_flag(dest)}: must be >= 1, got {value}")
     for dest, kind in INPUTS.get(command, ()):
         value = getattr(args, dest, None)
-        if value is not None and kind == "json":
-            check_input_json(_flag(dest), value)
+        if value is not None and kind in ("json", "bench-json"):
+            what = "a bench.json that megatron-branch bench wrote" if kind == "bench-json" else "a Hugging Face config.json"
+            for path in value if isinstance(value, list) else [value]:
+                check_input_json(_flag(dest), path, what)
     for dest, kind in OUTPUTS.get(command, ()):
         value = getattr(args, dest, None)
         if value is None:

@@ -71,7 +71,30 @@ def test_tiny_bench_report(tmp_path):
     assert "where ours' gap" in table and "[" in table and "ms per chunk" in table
     plot(report, str(tmp_path / "bench.png"))
     assert (tmp_path / "bench.png").stat().st_size > 10_000
-    json.dumps(report)
+    # the published tables are rendered from the JSON (megatron-branch bench --table)
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(report))
+    proc = subprocess.run([sys.executable, "-m", "megatron_branch.cli", "bench", "--table", str(path), str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    ours = next(r for r in report["shapes"][0]["methods"] if r["method"] == "ours")
+    assert f"**{ours['speedup']['median']:.2f}x**" in proc.stdout  # the run's own number
+    assert "hidden 64 (4 heads / 2 KV), 1 thread" in proc.stdout and "% of one pass" in proc.stdout
+    assert proc.stdout.count("| G=4 |") == 3  # two run tables and the comparison
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no such file"), ("{", "not valid JSON"), ('{"a": 1}', "not a bench report"),
+])
+def test_bench_table_bad_input_is_one_line(content, message, tmp_path):
+    path = tmp_path / "bench.json"
+    if content is not None:
+        path.write_text(content)
+    proc = subprocess.run([sys.executable, "-m", "megatron_branch.cli", "bench", "--table", str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0] and "--table" in lines[0], proc.stderr
 
 
 def test_quick_config_shapes():

@@ -29,17 +29,17 @@ from megatron_branch.hf.mapping import megatron_args_from_hf
 INDEX = "model.safetensors.index.json"
 
 
-def check_input_json(flag: str, path: str) -> None:
-    """An input JSON file exists, is readable and holds an object (a ``config.json``)."""
+def check_input_json(flag: str, path: str, expected: str = "a Hugging Face config.json") -> None:
+    """An input JSON file exists, is readable and holds an object (``expected`` names what)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{flag} {path}: no such file")
     try:
         with open(path) as f:
             data = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{flag} {path}: not valid JSON ({e}); pass a Hugging Face config.json") from None
+        raise ValueError(f"{flag} {path}: not valid JSON ({e}); pass {expected}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{flag} {path}: holds a JSON {type(data).__name__}, expected an object (config.json)")
+        raise ValueError(f"{flag} {path}: holds a JSON {type(data).__name__}, expected an object ({expected})")
 
 
 # ------------------------------------------------------------------------------ input

@@ -41,6 +41,7 @@ from megatron_branch.commands.bench.methods import prepare_methods
 from megatron_branch.commands.bench.peer import format_peer, run_peer
 from megatron_branch.commands.bench.profile import format_profile, profile_gap
 from megatron_branch.commands.bench.stats import spread
+from megatron_branch.commands.bench.table import markdown
 from megatron_branch.commands.bench.thd import run_thd
 from megatron_branch.commands.progress import Progress
 from megatron_branch.commands.synthetic import RolloutBatch, branching_rollouts
@@ -433,6 +434,9 @@ def plot(report: dict, path: str) -> None:
 
 
 def main(args) -> int:
+    if args.table:
+        print(markdown(args.table))
+        return 0
     cfg = BenchConfig.quick() if args.quick else BenchConfig.full()
     if args.repeats:
         cfg.repeats = args.repeats
@@ -479,5 +483,8 @@ def add_arguments(parser) -> None:
                         help="key/value groups (GQA); must divide --heads (default 2)")
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=None,
                         help="the prefix_grouper comparison on a Hugging Face Llama (default: on)")
+    parser.add_argument("--table", nargs="+", default=None, metavar="JSON",
+                        help="print the markdown tables of these bench.json files and exit (runs nothing): one per "
+                             "run and, for several, ours' %% of ideal and streaming's %% of one pass side by side")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None,
                         help="profile where ours' gap to the ideal ratio goes (default: on)")

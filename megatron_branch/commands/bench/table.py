@@ -1,0 +1,115 @@
+"""Markdown tables from committed ``bench.json`` files (``megatron-branch bench --table``).
+
+The README's and ``docs/benchmarks.md``'s tables are this module's output on the JSON
+files in ``docs/``, so the published numbers are exactly the measured ones: one detailed
+table per run (:func:`run_table`) and one comparison across runs, a column per
+configuration (:func:`comparison_table`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import List, Sequence
+
+
+def load(paths: Sequence[str]) -> List[dict]:
+    reports = []
+    for path in paths:
+        with open(path) as f:
+            report = json.load(f)
+        if not isinstance(report, dict) or "shapes" not in report or "config" not in report:
+            raise ValueError(f"--table {path}: not a bench report (no 'shapes'/'config'); pass a bench.json that "
+                             "megatron-branch bench wrote")
+        reports.append(report)
+    return reports
+
+
+def config_label(report: dict) -> str:
+    """``hidden 128 (4 heads / 2 KV), 1 thread``: the settings a run's ratios hold for."""
+    c = report["config"]
+    threads = report.get("torch_threads")
+    return (f"hidden {c['hidden_size']} ({c['num_attention_heads']} heads / {c['num_query_groups']} KV), "
+            f"{threads} thread{'s' if threads != 1 else ''}")
+
+
+def config_line(report: dict) -> str:
+    """One line on what the run ran on (machine, load, torch)."""
+    m = report.get("machine", {})
+    load = m.get("load_average")
+    load_s = f", load {load[0]:.2f} at the start" if load else ""
+    return (f"{config_label(report)}, {report['config']['num_layers']} layers, fp32, torch "
+            f"{report.get('torch_version', '?')}, {m.get('cpus', '?')} CPUs{load_s}, "
+            f"{report['config']['repeats']} interleaved repeats, chunk budget {report['config']['chunk_tokens']}")
+
+
+def _rows(shape: dict) -> dict:
+    return {r["method"]: r for r in shape["methods"]}
+
+
+def _speed(row: dict) -> str:
+    if not row or "speedup" not in row:
+        return "skipped"
+    return f"{row['speedup']['median']:.2f}x"
+
+
+def run_table(report: dict) -> str:
+    """One run: speed-up vs the fastest naive per method, median (min-max) for ours."""
+    lines = [config_line(report), "",
+             "| shape | rollouts / segments | ideal | naive mb | **ours** | % of ideal | ours_stream "
+             "(% of one pass) | small budget: ms per chunk | prompt_once | packed | dense_tree |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in report["shapes"]:
+        rows = _rows(s)
+        ours, stream, small = rows.get("ours", {}), rows.get("ours_stream", {}), rows.get("ours_stream_small", {})
+        sp = ours.get("speedup")
+        ours_s = f"**{sp['median']:.2f}x** ({sp['min']:.2f}–{sp['max']:.2f})" if sp else "skipped"
+        frac = f"{100 * ours['fraction_of_ideal']['median']:.0f}%" if sp else "-"
+        stream_s = _speed(stream)
+        if "fraction_of_one_pass" in stream:
+            stream_s += f" ({100 * stream['fraction_of_one_pass']['median']:.0f}%)"
+        small_s = (f"{1e3 * small['seconds_per_chunk']['median']:+.1f} ({small['chunks']} chunks)"
+                   if "seconds_per_chunk" in small else "-")
+        ref = s.get("naive_reference") or "-"
+        lines.append(f"| {s['shape']} | {s['rollouts']} / {s.get('segments', '?')} | {s['ideal_flop_ratio']:.2f}x | "
+                     f"{ref.replace('naive_mb', '')} | {ours_s} | {frac} | {stream_s} | {small_s} | "
+                     f"{_speed(rows.get('prompt_once'))} | {_speed(rows.get('packed'))} | "
+                     f"{_speed(rows.get('dense_tree'))} |")
+    for s in report.get("skipped_shapes", []):
+        lines.append(f"| {s['shape']} | skipped: {s['skipped']} | | | | | | | | | |")
+    return "\n".join(lines)
+
+
+def comparison_table(reports: Sequence[dict]) -> str:
+    """Ours' fraction of the ideal ratio and streaming's of one pass, a column per run."""
+    labels = [config_label(r) for r in reports]
+    head = "| shape | " + " | ".join(f"ours, % of ideal ({lab})" for lab in labels) + " | " + " | ".join(
+        f"streaming, % of one pass ({lab})" for lab in labels) + " |"
+    lines = [head, "|---|" + "---|" * (2 * len(reports))]
+    names = []
+    for r in reports:
+        names += [s["shape"] for s in r["shapes"] if s["shape"] not in names]
+    for name in names:
+        cells_ours, cells_stream = [], []
+        for r in reports:
+            s = next((s for s in r["shapes"] if s["shape"] == name), None)
+            rows = _rows(s) if s else {}
+            ours, stream = rows.get("ours", {}), rows.get("ours_stream", {})
+            if "fraction_of_ideal" in ours:
+                f = ours["fraction_of_ideal"]
+                cells_ours.append(f"{100 * f['median']:.0f}% ({ours['speedup']['median']:.2f}x of "
+                                  f"{s['ideal_flop_ratio']:.2f}x)")
+            else:
+                cells_ours.append("-")
+            f = stream.get("fraction_of_one_pass")
+            cells_stream.append(f"{100 * f['median']:.0f}%" if f else "-")
+        lines.append(f"| {name} | " + " | ".join(cells_ours) + " | " + " | ".join(cells_stream) + " |")
+    return "\n".join(lines)
+
+
+def markdown(paths: Sequence[str]) -> str:
+    """Every run's table, then (for several runs) the comparison."""
+    reports = load(paths)
+    parts = [f"{path}:\n\n{run_table(r)}" for path, r in zip(paths, reports)]
+    if len(reports) > 1:
+        parts.append(comparison_table(reports))
+    return "\n\n".join(parts)
