@@ -21,7 +21,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from megatron_branch.attention.kernels import KERNELS
+from megatron_branch.attention.kernels import KERNELS, takes_gqa
 from megatron_branch.attention.pieces import (  # noqa: F401 - re-exported
     AttentionPiece,
     PieceBatch,
@@ -40,8 +40,9 @@ class CascadeAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, batches, scale, kernel, blocks, prefix_cp, *prefix):
         fwd, _ = KERNELS[kernel]
-        rep = q.shape[1] // k.shape[1]
-        # GQA: repeat the (local, short) K/V heads so every piece is a plain attention.
+        # GQA: the CPU flash kernel groups the heads itself; for the others repeat the
+        # (local, short) K/V heads so every piece is a plain attention.
+        rep = 1 if takes_gqa(kernel) else q.shape[1] // k.shape[1]
         ke = k.repeat_interleave(rep, dim=1) if rep > 1 else k
         ve = v.repeat_interleave(rep, dim=1) if rep > 1 else v
         n, h, _ = q.shape

@@ -26,6 +26,7 @@ output columns whose gradient is zero, so every kept number is the unpadded one.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -149,6 +150,32 @@ def equal_head_dims(forward, backward):
         return dq[..., :dqk], dk[..., :dqk], dvv[..., :dv]
 
     return padded_forward, padded_backward
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_flash_takes_gqa() -> bool:
+    """Whether torch's CPU flash kernel (forward and backward) takes fewer K/V heads than
+    query heads and groups them itself, exactly as if K/V were repeated (torch 2.13 does;
+    probed once on a tiny input, so another torch falls back to repeating)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 4, 8, generator=gen) for h in (2, 1, 1))
+    try:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=0.5)
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            torch.ones_like(out), q, k, v, out, lse, 0.0, True, scale=0.5)
+    except RuntimeError:
+        return False
+    kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    ref_out, ref_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, kr, vr, 0.0, True, scale=0.5)
+    ref = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        torch.ones_like(out), q, kr, vr, ref_out, ref_lse, 0.0, True, scale=0.5)
+    same = torch.allclose(out, ref_out) and grads[1].shape == k.shape
+    return bool(same and torch.allclose(grads[1], ref[1].view(1, 1, 2, 4, 8).sum(2), atol=1e-6))
+
+
+def takes_gqa(kernel: str) -> bool:
+    """The kernel groups query heads over fewer K/V heads itself (no repeated K/V)."""
+    return kernel == "flash_cpu" and cpu_flash_takes_gqa()
 
 
 KERNELS = {

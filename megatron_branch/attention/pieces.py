@@ -135,6 +135,9 @@ def plan_batches(pieces: Sequence[AttentionPiece], max_scores: Optional[int] = N
         groups.setdefault(key, []).append(p)
     batches: List[PieceBatch] = []
     for (causal, nq_b, nk_b), members in sorted(groups.items(), key=lambda kv: kv[0]):
+        if len(members) == 1:  # nothing to share a call with: its exact size (a view, no padding)
+            nq_b = members[0].q_hi - members[0].q_lo
+            nk_b = nq_b if causal else nk_b
         per_call = max(1, MAX_BATCH_ROWS // nq_b)
         if max_scores is not None:
             per_call = max(1, min(per_call, max_scores // (nq_b * nk_b)))

@@ -18,8 +18,9 @@ CPU flash kernel through SDPA or the cascade's piece calls), so ratios measure m
   score tensor and a plain softmax (the dense-mask reference; AReaL runs tree attention
   through FlexAttention with a block mask, which this is not).
 * ``ours``: the full tree, cascade attention, one packed pass.
-* ``ours_stream``: the full tree, streaming replay with the bench's chunk budget;
-  ``ours_stream_small`` with an eighth of it (many chunks: the cost per chunk).
+* ``ours_stream``: the full tree, streaming replay with the bench's chunk budget (raised
+  to the largest segment where one is longer, so no segment is cut);
+  ``ours_stream_small`` with an eighth of the bench's budget (many chunks: the cost per chunk).
 
 On a Mixture-of-Experts model the naive batch masks its padding out of the router
 statistics (:func:`megatron_branch.spec.moe.naive_moe_logprobs`) and the tree methods run
@@ -151,9 +152,11 @@ def prepare_methods(
         Prepared("ours", "cascade pieces (flash CPU), one pass", tree.unique_positions,
                  tree.attention_pairs(), replay(models["cascade"])),
     ]
-    # streaming at the bench's budget and at a small one (many chunks: the per-chunk cost)
+    # streaming at the bench's budget (at least the largest segment, so no segment is cut) and at
+    # a small one (many chunks: the per-chunk cost)
+    largest = max(seg.end - seg.start for seg in tree.segments)
     small = max(16, chunk_tokens // 8)
-    for name, budget in (("ours_stream", chunk_tokens), ("ours_stream_small", small)):
+    for name, budget in (("ours_stream", max(chunk_tokens, largest)), ("ours_stream_small", small)):
         p = Prepared(name, f"cascade + prefix cache, chunks of {budget}", tree.unique_positions,
                      tree.attention_pairs(), None, chunk_tokens=budget)
         p.step = replay(models["cascade"], record=p, max_chunk_tokens=budget)
