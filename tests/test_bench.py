@@ -193,6 +193,7 @@ def test_bench_cli_help():
     (["--hidden", "-4"], "--hidden: must be >= 1, got -4"),
     (["--heads", "3"], "--heads 3 does not divide --hidden 128"),
     (["--hidden", "256", "--heads", "8", "--kv-groups", "3"], "--kv-groups 3 does not divide --heads 8"),
+    (["--shapes", "agentic", "nope"], "--shapes: ['nope'] match no shape"),
 ])
 def test_bench_bad_model_flags_are_one_line_before_anything_runs(flags, message, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "megatron_branch.cli", "bench", "--out", str(tmp_path / "o"), *flags],

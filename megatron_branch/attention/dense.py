@@ -1,8 +1,10 @@
 """Dense boolean-mask tree attention: the simple reference backend.
 
-Builds the ``[U, U]`` visibility mask ``j <= i <= last[j]`` and runs a plain softmax
-attention in float32 with ordinary autograd. O(U^2) memory: meant for tests and small
-trees; the default backend is :mod:`megatron_branch.attention.cascade`.
+Builds the ``[U, U]`` visibility mask ``j <= i <= last[j]`` and runs attention with it:
+float32 inputs through torch's fused SDPA with the boolean mask (the fastest exact form of
+a dense mask; on CPU the flash kernel), other dtypes as a plain softmax in float32 with
+ordinary autograd. O(U^2) mask memory: meant for tests, small trees and the benchmark's
+dense-mask baseline; the default backend is :mod:`megatron_branch.attention.cascade`.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -39,6 +42,13 @@ def dense_tree_attention(
         k = torch.cat([prefix[0], k])
         v = torch.cat([prefix[1], v])
         mask = torch.cat([torch.ones(n, k.shape[0] - n, dtype=torch.bool, device=mask.device), mask], 1)
+    if q.dtype == torch.float32 and k.shape[-1] == v.shape[-1]:
+        # float32: torch's fused SDPA with the boolean mask (on CPU the flash kernel), the
+        # fastest exact form of a dense mask; [n, h, d] -> [1, h, n, d]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+            scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        return out[0].transpose(0, 1)
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k = k.repeat_interleave(rep, dim=1)

@@ -14,9 +14,9 @@ CPU flash kernel through SDPA or the cascade's piece calls), so ratios measure m
 * ``prompt_once``: prompts computed once, their K/V copied for every rollout inside
   attention (our re-implementation of Prefix Grouper's scheme; one level of sharing —
   the real ``prefix_grouper`` package is compared in :mod:`megatron_branch.commands.bench.peer`).
-* ``dense_tree``: the full tree with a dense ``[U, U]`` mask: a float32 ``[heads, U, U]``
-  score tensor and a plain softmax (the dense-mask reference; AReaL runs tree attention
-  through FlexAttention with a block mask, which this is not).
+* ``dense_tree``: the full tree with a dense ``[U, U]`` boolean mask through torch's fused
+  SDPA (on CPU the flash kernel with the mask; AReaL runs tree attention through
+  FlexAttention with a block mask, which this is not).
 * ``ours``: the full tree, cascade attention, one packed pass.
 * ``ours_stream``: the full tree, streaming replay with the bench's chunk budget (raised
   to the largest segment where one is longer, so no segment is cut);
@@ -40,7 +40,7 @@ from megatron_branch.reference.naive import batched_rollout_logprobs, naive_moe_
 from megatron_branch.replay import replay_step
 from megatron_branch.tree import BranchTree
 
-# Dense scores cost heads x U^2 floats per layer (plus their gradients): skip beyond this.
+# The dense baseline's [U, U] boolean mask: skip beyond this many bytes.
 DENSE_MAX_SCORE_BYTES = 2 << 30
 
 
@@ -94,7 +94,7 @@ def prepare_methods(
         chunk_tokens: the streaming budget of ``ours_stream``.
         names: a subset of methods to prepare (default: all; ``"naive"`` selects the
             whole micro-batch sweep).
-        dense_max_score_bytes: ``dense_tree`` is skipped above this many score bytes.
+        dense_max_score_bytes: ``dense_tree`` is skipped above this many mask bytes.
 
     Every tree method's step builds its tree (``BranchTree.from_sequences``) inside the
     timed step, as a trainer would per batch.
@@ -131,8 +131,7 @@ def prepare_methods(
                 record.stats = {"chunks": stats.num_chunks, "stems": stats.num_stems}
         return run
 
-    heads = models["dense"].config.num_attention_heads
-    dense_bytes = 4 * heads * tree.unique_positions**2
+    dense_bytes = tree.unique_positions**2  # the [U, U] boolean mask (fused SDPA keeps no score tensor)
     dense_ok = dense_bytes <= dense_max_score_bytes
     kernel = "SDPA fused is_causal (padded batch)" if moe else "SDPA fused is_causal (right-padded micro-batches)"
     methods = []
@@ -146,9 +145,9 @@ def prepare_methods(
                  unshared.attention_pairs(), replay(models["cascade"], 0)),
         Prepared("prompt_once", "SDPA fused, prompt K/V repeated per rollout", prompt_tree.unique_positions,
                  prompt_tree.attention_pairs(), replay(models["repeat_kv"], batch.prompt_lengths)),
-        Prepared("dense_tree", "dense [U, U] mask, float32 softmax", tree.unique_positions,
+        Prepared("dense_tree", "SDPA fused with a dense [U, U] boolean mask", tree.unique_positions,
                  tree.unique_positions**2, replay(models["dense"]) if dense_ok else None,
-                 "" if dense_ok else f"O(U^2) scores exceed {dense_max_score_bytes / 2**30:.2g} GiB"),
+                 "" if dense_ok else f"the O(U^2) mask exceeds {dense_max_score_bytes / 2**30:.2g} GiB"),
         Prepared("ours", "cascade pieces (flash CPU), one pass", tree.unique_positions,
                  tree.attention_pairs(), replay(models["cascade"])),
     ]

@@ -91,7 +91,7 @@ class BenchConfig:
     shapes: List[Shape] = field(default_factory=list)
     moe_experts: int = 8  # MoE shapes: experts per layer, each of width top-k x ... = the dense FFN / top-k
     moe_topk: int = 2
-    dense_max_score_bytes: int = 256 << 20  # dense_tree is skipped above this many [U, U] score bytes
+    dense_max_score_bytes: int = 256 << 20  # dense_tree is skipped above this many [U, U] mask bytes
     profile_shapes: List[str] = field(default_factory=list)  # shapes whose gap to the ideal is profiled
     peer: bool = False  # the prefix_grouper comparison (Hugging Face Llama)
     peer_shapes: List[Shape] = field(default_factory=list)
@@ -433,6 +433,15 @@ def plot(report: dict, path: str) -> None:
     plt.close(fig)
 
 
+def select_shapes(shapes: List[Shape], wanted: List[str]) -> List[Shape]:
+    """The shapes whose name contains one of ``wanted`` (case-insensitive), in bench order."""
+    picked = [s for s in shapes if any(w.lower() in s.name.lower() for w in wanted)]
+    missing = [w for w in wanted if not any(w.lower() in s.name.lower() for s in shapes)]
+    if missing:
+        raise ValueError(f"--shapes: {missing} match no shape; the shapes are {[s.name for s in shapes]}")
+    return picked
+
+
 def main(args) -> int:
     if args.table:
         print(markdown(args.table))
@@ -451,6 +460,9 @@ def main(args) -> int:
         cfg.num_query_groups = min(cfg.num_query_groups, args.heads)
     if args.kv_groups:
         cfg.num_query_groups = args.kv_groups
+    if args.shapes:
+        cfg.shapes = select_shapes(cfg.shapes, args.shapes)
+        cfg.profile_shapes = [n for n in cfg.profile_shapes if any(s.name == n for s in cfg.shapes)]
     if args.peer is not None:
         cfg.peer = args.peer
     if args.profile is False:
@@ -483,6 +495,8 @@ def add_arguments(parser) -> None:
                         help="key/value groups (GQA); must divide --heads (default 2)")
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=None,
                         help="the prefix_grouper comparison on a Hugging Face Llama (default: on)")
+    parser.add_argument("--shapes", nargs="+", default=None, metavar="NAME",
+                        help="run only the shapes whose name contains one of these (e.g. 'G=16 p/r=16' agentic 4096)")
     parser.add_argument("--table", nargs="+", default=None, metavar="JSON",
                         help="print the markdown tables of these bench.json files and exit (runs nothing): one per "
                              "run and, for several, ours' %% of ideal and streaming's %% of one pass side by side")
