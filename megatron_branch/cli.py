@@ -109,7 +109,8 @@ def preflight(command: str, args: argparse.Namespace) -> None:
     for dest, kind in INPUTS.get(command, ()):
         value = getattr(args, dest, None)
         if value is not None and kind in ("json", "bench-json"):
-            what = "a bench.json that megatron-branch bench wrote" if kind == "bench-json" else "a Hugging Face config.json"
+            what = ("a bench.json that megatron-branch bench wrote" if kind == "bench-json"
+                    else "a Hugging Face config.json")
             for path in value if isinstance(value, list) else [value]:
                 check_input_json(_flag(dest), path, what)
     for dest, kind in OUTPUTS.get(command, ()):

@@ -49,15 +49,15 @@ class CascadeAttentionFunction(torch.autograd.Function):
         outs, lses, dests = [], [], []
         for b in batches:
             qb, kb, vb = _rows(q, b, True), _rows(ke, b, False), _rows(ve, b, False)
-            o, l = fwd(qb, kb, vb, b.causal, scale)  # [B, nq, h, d], [B, h, nq]
+            o, lse_b = fwd(qb, kb, vb, b.causal, scale)  # [B, nq, h, d], [B, h, nq]
             outs.append(o.reshape(-1, h, o.shape[-1]))
-            lses.append(l.transpose(1, 2).reshape(-1, h))
+            lses.append(lse_b.transpose(1, 2).reshape(-1, h))
             dests.append(b.dest)
         q_block, k_block = blocks
         if prefix:
-            o, l = prefix_forward(q, prefix[0], prefix[1], scale, fwd, q_block, k_block, prefix_cp)
+            o, lse_p = prefix_forward(q, prefix[0], prefix[1], scale, fwd, q_block, k_block, prefix_cp)
             outs.append(o)
-            lses.append(l.transpose(0, 1))
+            lses.append(lse_p.transpose(0, 1))
             dests.append(torch.arange(n, device=q.device))
         out, lse = _merge(n, outs, lses, dests)
         out = out.to(q.dtype)
@@ -147,11 +147,12 @@ def _merge(n: int, outs, lses, dests) -> Tuple[Tensor, Tensor]:
     allowed; row ``n`` is the spare row of padded entries) merged by one log-sum-exp:
     ``(out [n, h, d] float32, lse [h, n])``."""
     o = torch.cat([x.float() for x in outs])
-    l, d = torch.cat([x.float() for x in lses]), torch.cat(dests)
-    h = l.shape[1]
-    top = torch.full((n + 1, h), float("-inf"), device=l.device).scatter_reduce_(0, d[:, None].expand_as(l), l, "amax")
+    lse, d = torch.cat([x.float() for x in lses]), torch.cat(dests)
+    h = lse.shape[1]
+    top = torch.full((n + 1, h), float("-inf"), device=lse.device)
+    top = top.scatter_reduce_(0, d[:, None].expand_as(lse), lse, "amax")
     top = torch.where(torch.isinf(top), torch.zeros_like(top), top)  # rows with no key (the spare row)
-    w = torch.exp(l - top.index_select(0, d))  # [m, h]
+    w = torch.exp(lse - top.index_select(0, d))  # [m, h]
     total = torch.zeros_like(top).index_add_(0, d, w)
     acc = torch.zeros((n + 1, h, o.shape[-1]), device=o.device).index_add_(0, d, o.mul_(w.unsqueeze(-1)))
     total = total[:n]

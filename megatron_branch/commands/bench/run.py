@@ -365,7 +365,8 @@ def format_table(report: dict) -> str:
             if "fraction_of_one_pass" in r:
                 f, c = r["fraction_of_one_pass"], r["seconds_per_chunk"]
                 lines.append(f"  {r['method']}: budget {r['chunk_tokens']}, {r['chunks']} chunks + {r['stems']} stems; "
-                             f"{100 * f['median']:.0f}% of one pass's speed [{100 * f['min']:.0f}-{100 * f['max']:.0f}], "
+                             f"{100 * f['median']:.0f}% of one pass's speed "
+                             f"[{100 * f['min']:.0f}-{100 * f['max']:.0f}], "
                              f"{1e3 * c['median']:+.1f} ms per chunk")
     for s in report.get("skipped_shapes", []):
         lines.append(f"\n{s['shape']}: skipped: {s['skipped']}")
@@ -484,7 +485,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per method (median)")
     parser.add_argument("--chunk-tokens", type=int, default=None, help="streaming replay budget")
     parser.add_argument("--methods", nargs="+", default=None,
-                        choices=["naive", "packed", "prompt_once", "dense_tree", "ours", "ours_stream", "ours_stream_small"],
+                        choices=["naive", "packed", "prompt_once", "dense_tree", "ours", "ours_stream",
+                                 "ours_stream_small"],
                         help="subset of methods (naive, the micro-batch sweep, is the reference and should be "
                              "included)")
     parser.add_argument("--threads", type=int, default=None,
