@@ -42,17 +42,16 @@ def dense_tree_attention(
         k = torch.cat([prefix[0], k])
         v = torch.cat([prefix[1], v])
         mask = torch.cat([torch.ones(n, k.shape[0] - n, dtype=torch.bool, device=mask.device), mask], 1)
-    if q.dtype == torch.float32 and k.shape[-1] == v.shape[-1]:
-        # float32: torch's fused SDPA with the boolean mask (on CPU the flash kernel), the
-        # fastest exact form of a dense mask; [n, h, d] -> [1, h, n, d]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
-            scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-        return out[0].transpose(0, 1)
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
+    if q.dtype == torch.float32 and k.shape[-1] == v.shape[-1]:
+        # float32: torch's fused SDPA with the boolean mask (on CPU the flash kernel), the
+        # fastest exact form of a dense mask; [n, h, d] -> [1, h, n, d]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, scale=scale)
+        return out[0].transpose(0, 1)
     # [n, h, d] x [P + n, h, d] -> [h, n, P + n]
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
     scores = scores.masked_fill(~mask, float("-inf"))
