@@ -16,6 +16,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+# SDPA groups query heads over fewer K/V heads itself from torch 2.5 (``enable_gqa``).
+SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
 def visibility_mask(last: Tensor) -> Tensor:
     """``[U, U]`` bool, True where query ``i`` may attend to key ``j`` (``j <= i <= last[j]``)."""
     idx = torch.arange(last.numel(), device=last.device)
@@ -43,14 +47,17 @@ def dense_tree_attention(
         v = torch.cat([prefix[1], v])
         mask = torch.cat([torch.ones(n, k.shape[0] - n, dtype=torch.bool, device=mask.device), mask], 1)
     rep = q.shape[1] // k.shape[1]
-    if rep > 1:
+    fused = q.dtype == torch.float32 and k.shape[-1] == v.shape[-1]
+    if rep > 1 and not (fused and SDPA_GQA):
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
-    if q.dtype == torch.float32 and k.shape[-1] == v.shape[-1]:
+    if fused:
         # float32: torch's fused SDPA with the boolean mask (on CPU the flash kernel), the
         # fastest exact form of a dense mask; [n, h, d] -> [1, h, n, d]
+        gqa = {"enable_gqa": True} if rep > 1 and SDPA_GQA else {}
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, scale=scale)
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, scale=scale,
+            **gqa)
         return out[0].transpose(0, 1)
     # [n, h, d] x [P + n, h, d] -> [h, n, P + n]
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
