@@ -157,8 +157,9 @@ def cpu_flash_takes_gqa() -> bool:
     """Whether torch's CPU flash kernel (forward and backward) takes fewer K/V heads than
     query heads and groups them itself, exactly as if K/V were repeated (torch 2.13 does;
     probed once on a tiny input, so another torch falls back to repeating)."""
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, h, 4, 8, generator=gen) for h in (2, 1, 1))
+    cpu = torch.device("cpu")  # the probe is of the CPU kernel, whatever device the model is on
+    gen = torch.Generator(device=cpu).manual_seed(0)
+    q, k, v = (torch.randn(1, h, 4, 8, generator=gen, device=cpu) for h in (2, 1, 1))
     try:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=0.5)
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
