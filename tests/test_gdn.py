@@ -32,6 +32,7 @@ from megatron_branch.reference.agreement import check_against_naive, compare_gra
 from megatron_branch.reference.naive import batched_rollout_logprobs, naive_rollout_logprobs
 from megatron_branch.reference.recurrent import recurrent_gated_delta_rule
 from megatron_branch.replay import replay_logprobs, replay_step
+from megatron_branch.replay.plan import plan_replay
 from megatron_branch.spec import gdn as gdn_module
 from megatron_branch.spec.builders import build_gpt, hybrid_config
 
@@ -181,6 +182,24 @@ def test_streaming_replay_matches_naive_in_float64(batch_fn, budget, recompute_s
         lp = replay_logprobs(branch, tree, max_chunk_tokens=budget)
         ref = naive_rollout_logprobs(stock, batch.sequences)
     assert (lp - ref).abs().max() < 1e-6
+
+
+def test_a_stem_with_complete_subtrees_caches_its_chains_state_in_float64():
+    # budget 16: stems also run complete subtrees below them; the units below read the
+    # recurrent state and convolution rows at the chain's end, not the unit's
+    batch = multi_level_forest()
+    tree = mb.BranchTree.from_sequences(batch.sequences)
+    assert any(op.path_end is not None for op in plan_replay(tree, 16, attach_subtrees=True))
+    branch, stock = (m.double() for m in gdn_pair())
+    for m in (branch, stock):
+        use_kernel(m, recurrent_gated_delta_rule)
+    loss = Loss(batch)
+    ref_loss, ref_grads = naive_truth(stock, batch, loss)
+    stats = replay_step(branch, tree, loss, max_chunk_tokens=16)
+    assert stats.num_chunks == sum(op.kind == "chunk" for op in plan_replay(tree, 16, attach_subtrees=True))
+    assert abs(stats.loss - ref_loss) <= 1e-6 * max(1.0, abs(ref_loss))
+    diffs = scaled_diffs(grads(branch), ref_grads)
+    assert max(diffs.values()) < TOL, max(diffs, key=diffs.get)
 
 
 def test_streaming_replay_with_megatrons_kernel_matches_one_pass():

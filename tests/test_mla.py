@@ -71,7 +71,7 @@ def test_without_q_lora_and_without_latent_norms():
 
 
 @pytest.mark.parametrize("batch_fn", [multi_level_forest, one_prompt_tails])
-@pytest.mark.parametrize("budget, recompute_stem", [(12, False), (12, True), (3, False)])
+@pytest.mark.parametrize("budget, recompute_stem", [(12, False), (12, True), (3, False), (16, False)])
 def test_streaming_replay_matches_naive(batch_fn, budget, recompute_stem):
     batch = batch_fn()
     tree = mb.BranchTree.from_sequences(batch.sequences)

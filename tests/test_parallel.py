@@ -14,6 +14,7 @@ from megatron_branch.attention.context_parallel import shard_bounds, shard_work
 from megatron_branch.distributed import free_port
 from megatron_branch.full_state import full_state
 from megatron_branch.reference.agreement import compare_grads
+from megatron_branch.replay.plan import plan_replay
 
 TOL = 1e-5
 
@@ -44,8 +45,15 @@ def check(ranks, reference, cases, lp=True):
                 assert (got["lp"] - ref[name]["lp"]).abs().max() < TOL, (rank, name, chunk, comm)
 
 
+# budget 24: stems also run complete subtrees below them (each rank caches its share of the chain only)
 CP_CASES = [(n, c, m) for n in ("multi_level", "forest") for c, m in
-            ((None, "allgather"), (None, "p2p"), (12, "allgather"), (12, "p2p"))]
+            ((None, "allgather"), (None, "p2p"), (12, "allgather"), (12, "p2p"), (24, "p2p"))]
+
+
+def test_the_budget_24_cases_run_stems_with_complete_subtrees():
+    for name in ("multi_level", "forest"):
+        tree = dist_worker.trees()[name][1]
+        assert any(op.path_end is not None for op in plan_replay(tree, 24, attach_subtrees=True)), name
 
 
 @pytest.mark.parametrize("layout, cases", [
@@ -54,7 +62,8 @@ CP_CASES = [(n, c, m) for n in ("multi_level", "forest") for c, m in
     ({"tp": 1, "cp": 2, "pp": 1}, CP_CASES),
     ({"tp": 1, "cp": 4, "pp": 1}, [("multi_level", None, "allgather"), ("forest", None, "p2p"),
                                    ("multi_level", 12, "p2p")]),
-    ({"tp": 2, "cp": 2, "pp": 1, "sp": True}, [("multi_level", None, "p2p"), ("forest", 12, "allgather")]),
+    ({"tp": 2, "cp": 2, "pp": 1, "sp": True}, [("multi_level", None, "p2p"), ("forest", 12, "allgather"),
+                                               ("multi_level", 24, "allgather")]),
 ], ids=["tp2", "tp2-sp", "cp2", "cp4", "tp2-sp-cp2"])
 def test_parallel_layout_matches_single_process(layout, cases, reference, tmp_path):
     ranks = dist_worker.spawn(layout, cases, str(reference[0]), str(tmp_path), free_port())

@@ -81,8 +81,8 @@ def test_exact_replay_matches_naive_and_single_pass(batch_fn, chunk, recompute_s
     streamed = grads(branch)
     assert abs(stats.loss - ref_loss) <= TOL * max(1.0, abs(ref_loss))
     assert max(compare_grads(streamed, ref_grads).values()) < TOL
-    if budget is not None:
-        assert stats.num_chunks > 1 and stats.num_stems >= 1
+    if budget is not None:  # it streams (a stem may run complete subtrees with it: one chunk then suffices)
+        assert stats.num_chunks + stats.num_stems > 1 and stats.num_stems >= 1
     if chunk == "one_rollout" and batch_fn is one_prompt_tails:
         assert [len(ids) for ids in loss.calls] == [1] * tree.num_rollouts
 
@@ -266,6 +266,40 @@ def test_bad_inputs():
         replay_step(branch, tree, Loss(batch), max_chunk_tokens=0)
     with pytest.raises(ValueError, match="group_ids: 2 entries for 6 rollouts"):
         replay_step(branch, tree, Loss(batch), max_chunk_tokens=20, group_ids=[0, 1])
+
+
+def _units(ops):
+    return [(op.start, op.end) for op in ops if op.kind != "pop"]
+
+
+def test_a_stem_runs_complete_subtrees_below_it_where_that_saves_a_unit():
+    batch = multi_level_forest()
+    tree = mb.BranchTree.from_sequences(batch.sequences)
+    plain, attached = plan_replay(tree, 16), plan_replay(tree, 16, attach_subtrees=True)
+    assert len(_units(attached)) < len(_units(plain))
+    with_subtrees = [op for op in attached if op.kind == "stem" and op.path_end is not None]
+    assert with_subtrees
+    for op in with_subtrees:
+        assert op.start < op.path_end < op.end and op.end - op.start <= 16
+        # the cached part is one chain; every segment after it ends its subtree inside the unit
+        assert sum(op.start <= s.start < op.path_end for s in tree.segments) <= 1
+        assert all(s.subtree_end <= op.end for s in tree.segments if op.path_end <= s.start < op.end)
+    units = sorted(_units(attached))
+    assert units[0][0] == 0 and units[-1][1] == tree.unique_positions
+    assert all(a[1] == b[0] for a, b in zip(units, units[1:]))
+
+    branch, stock = make_pair()
+    loss = Loss(batch)
+    ref_loss, ref_grads = naive_truth(stock, batch, loss)
+    stats = replay_step(branch, tree, loss, max_chunk_tokens=16)
+    assert stats.num_chunks == sum(op.kind == "chunk" for op in attached)  # the step ran the attached plan
+    assert abs(stats.loss - ref_loss) <= TOL * max(1.0, abs(ref_loss))
+    assert max(compare_grads(grads(branch), ref_grads).values()) < TOL
+    # recomputed stems (their graph rebuilt at the pop) and constant stems (tail-only) keep the chains alone
+    for kwargs in ({"recompute_stem": True}, {"prefix_grad": "detached"}):
+        branch.zero_grad(set_to_none=True)
+        other = replay_step(branch, tree, loss, max_chunk_tokens=16, **kwargs)
+        assert other.num_chunks == sum(op.kind == "chunk" for op in plain), kwargs
 
 
 def test_budget_below_the_longest_segment_splits_it():

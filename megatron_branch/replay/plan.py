@@ -6,6 +6,12 @@ below it attend to every cached token (all of them are ancestors) and, when they
 done, the stem's own backward runs and it is popped. A *chunk* unit is forwarded,
 its rollouts' loss evaluated and backpropagated at once.
 
+A stem is a chain of the tree (its *path*, whose K/V the units below read). With
+``attach_subtrees`` it also runs the leading complete subtrees below the chain that fit
+the budget, where that saves a unit: they are not cached (no later unit descends from
+them), and their rollouts' loss is evaluated with the stem and backpropagated at its pop.
+Every unit costs one model forward and backward of fixed cost, so fewer units run faster.
+
 The walk is depth-first, so memory holds the caches along the current path plus one
 unit. Every unit has at most ``max_chunk_tokens`` tokens: a segment longer than that is
 cut into consecutive stem units.
@@ -27,18 +33,26 @@ class ReplayOp:
 
     ``kind`` is ``"stem"`` (forward ``[start, end)`` and push its cache), ``"chunk"``
     (forward, loss and backward of ``[start, end)``) or ``"pop"`` (the final backward of
-    the stem on top of the stack, then pop it).
+    the stem on top of the stack, then pop it). A stem's ``path_end`` (``None``: ``end``)
+    ends its chain: the tokens ``[path_end, end)`` are complete subtrees run with it.
     """
 
     kind: str
     start: int = 0
     end: int = 0
+    path_end: Optional[int] = None
+
+    @property
+    def cached_end(self) -> int:
+        """End of the tokens whose K/V the units below read (a stem's chain)."""
+        return self.end if self.path_end is None else self.path_end
 
 
 class _Planner:
-    def __init__(self, tree: BranchTree, budget: int, group_of_root: Optional[Dict[int, int]]):
+    def __init__(self, tree: BranchTree, budget: int, group_of_root: Optional[Dict[int, int]], attach: bool):
         self.tree = tree
         self.budget = budget
+        self.attach = attach
         self.seg_at = {s.start: s for s in tree.segments}
         self.ops: List[ReplayOp] = []
         self.group_of_root = group_of_root or {}
@@ -58,17 +72,21 @@ class _Planner:
             else:
                 work.extend(reversed(self._subtree(*item[1:])))
 
-    def _forest(self, lo: int, hi: int) -> List[tuple]:
-        """Sibling subtrees tiling ``[lo, hi)``: small ones grouped into chunks, in order."""
+    def _siblings(self, lo: int, hi: int) -> List[tuple]:
+        """``(start, end, subtree_end)`` of the sibling subtrees tiling ``[lo, hi)``."""
         subtrees = []
         pos = lo
         while pos < hi:
             seg = self.seg_at[pos]
             subtrees.append((seg.start, seg.end, seg.subtree_end))
             pos = seg.subtree_end
+        return subtrees
+
+    def _forest(self, lo: int, hi: int) -> List[tuple]:
+        """Sibling subtrees tiling ``[lo, hi)``: small ones grouped into chunks, in order."""
         items: List[tuple] = []
         group_lo = group_hi = None
-        for span in self._spans(subtrees):
+        for span in self._spans(self._siblings(lo, hi)):
             s0, s1 = span[0][0], span[-1][2]
             if s1 - s0 <= self.budget:
                 if group_lo is not None and s1 - group_lo > self.budget:
@@ -95,9 +113,24 @@ class _Planner:
         if subtree_end - start <= self.budget:
             return [("chunk", start, subtree_end)]
         stem_end = min(end, start + self.budget)
-        self.ops.append(ReplayOp("stem", start, stem_end))
-        below = ("subtree", stem_end, end, subtree_end) if stem_end < end else ("forest", end, subtree_end)
-        return [below, ("pop",)]
+        if stem_end < end:
+            self.ops.append(ReplayOp("stem", start, stem_end))
+            return [("subtree", stem_end, end, subtree_end), ("pop",)]
+        attached = self._attached(start, end, subtree_end) if self.attach else end
+        self.ops.append(ReplayOp("stem", start, attached, None if attached == end else end))
+        return [("forest", attached, subtree_end), ("pop",)]
+
+    def _attached(self, start: int, end: int, subtree_end: int) -> int:
+        """End of the complete subtrees below the chain ``[start, end)`` that run with it:
+        the leading sibling spans that fit the budget, if that saves a unit (else ``end``)."""
+        pos = end
+        for span in self._spans(self._siblings(end, subtree_end)):
+            if span[-1][2] - start > self.budget:
+                break
+            pos = span[-1][2]
+        if pos == end or len(self._forest(pos, subtree_end)) >= len(self._forest(end, subtree_end)):
+            return end
+        return pos
 
     def _spans(self, subtrees):
         """Sibling subtrees merged into contiguous spans that keep groups together."""
@@ -126,7 +159,8 @@ class _Planner:
 
 
 def plan_replay(
-    tree: BranchTree, max_chunk_tokens: Optional[int], group_ids: Optional[Sequence[int]] = None
+    tree: BranchTree, max_chunk_tokens: Optional[int], group_ids: Optional[Sequence[int]] = None,
+    attach_subtrees: bool = False,
 ) -> List[ReplayOp]:
     """The replay plan of ``tree``.
 
@@ -135,6 +169,9 @@ def plan_replay(
         max_chunk_tokens: most tokens per unit; ``None`` runs the whole tree as one chunk.
         group_ids: ``[R]`` ids; rollouts with the same id have their loss evaluated in
             the same call (e.g. DPO pairs).
+        attach_subtrees: let a stem also run complete subtrees below its chain where that
+            saves a unit (exact replay keeping the stems' activations; see the module
+            docstring). Off for tail-only replay, whose stems are constants.
 
     Raises:
         ValueError: a non-positive budget, ``group_ids`` of the wrong length, or a group
@@ -151,7 +188,7 @@ def plan_replay(
             raise ValueError(f"group_ids: {len(group_ids)} entries for {tree.num_rollouts} rollouts")
         ends = last_token(tree)
         group_of_last = {int(ends[r]): int(g) for r, g in enumerate(group_ids)}
-    planner = _Planner(tree, int(max_chunk_tokens), group_of_last)
+    planner = _Planner(tree, int(max_chunk_tokens), group_of_last, attach_subtrees)
     planner.run()
     ops = planner.ops
     if group_ids is not None:
@@ -164,13 +201,13 @@ def path_capacity(ops: Sequence[ReplayOp], rows_of: Optional[Callable[[ReplayOp]
 
     Args:
         ops: the plan.
-        rows_of: rows a stem unit adds on this rank (default its tokens; under context
-            parallelism its CP share).
+        rows_of: rows a stem unit adds on this rank (default its chain's tokens; under
+            context parallelism their CP share).
     """
     depth, stack, most = 0, [], 0
     for op in ops:
         if op.kind == "stem":
-            stack.append(rows_of(op) if rows_of is not None else op.end - op.start)
+            stack.append(rows_of(op) if rows_of is not None else op.cached_end - op.start)
             depth += stack[-1]
             most = max(most, depth)
         elif op.kind == "pop":

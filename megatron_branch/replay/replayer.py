@@ -167,7 +167,8 @@ class Replayer:
         stem_id = self.cache.begin_stem()
         ctx = contextlib.nullcontext() if keep else torch.no_grad()
         with ctx:
-            children, lp = self.forward_unit(op.start, op.end, stem_id=stem_id, inject=keep)
+            children, lp = self.forward_unit(op.start, op.end, stem_id=stem_id, inject=keep,
+                                             stem_rows=op.cached_end - op.start)
         rows = self.cache.push()
         with torch.no_grad():
             self.lp_known[children.to(self.device)] = lp.detach().float()

@@ -11,7 +11,9 @@ everything accumulated. The result equals ``loss.backward()`` over all rollouts.
 Costs (U = unique positions, S = tokens in stem units):
 
 * ``prefix_grad="exact"``, ``recompute_stem=False``: forward U, backward U; memory holds
-  the activations of the stems on the current path plus one chunk.
+  the activations of the stems on the current path plus one chunk. A stem also runs the
+  complete subtrees below its chain that fit the budget where that saves a unit
+  (:func:`~megatron_branch.replay.plan.plan_replay`'s ``attach_subtrees``).
 * ``prefix_grad="exact"``, ``recompute_stem=True``: forward U + S, backward U; memory
   holds only the stems' K/V (2 x kv_heads x head_dim per token per layer) plus one chunk.
 * ``prefix_grad="detached"`` (tail-only): forward U, backward U - S; the stem is a
@@ -46,6 +48,7 @@ from megatron_branch.scoring.temperature import Temperature, Temperatures
 from megatron_branch.scoring.unit import local_unit_rows
 from megatron_branch.spec.moe import RoutingStatistics, collecting_statistics
 from megatron_branch.spec.moe import routing_statistics as bound_statistics
+from megatron_branch.spec.moe.routers import routers
 from megatron_branch.tree import BranchTree
 
 PrefixGrad = Literal["exact", "detached"]
@@ -147,9 +150,13 @@ def replay_step(
     model = single_chunk(model, "replay_step")
     check_model(model, tree)
     temps = Temperatures.of(temperature, tree.num_rollouts)
-    ops = plan_replay(tree, max_chunk_tokens, group_ids)
-    owners: Dict[int, List[int]] = unit_of_rollouts(tree, ops)
     exact = prefix_grad == "exact" and torch.is_grad_enabled()
+    # A stem may also run complete subtrees below it (one unit fewer) where its graph is kept
+    # for its pop anyway; not with recomputed or constant stems, nor MoE routers, whose
+    # statistics pass must see the step's own units.
+    attach = exact and not recompute_stem and not routers(model)
+    ops = plan_replay(tree, max_chunk_tokens, group_ids, attach_subtrees=attach)
+    owners: Dict[int, List[int]] = unit_of_rollouts(tree, ops)
     scored = None if score_mask is None else scored_tokens(tree, score_mask)
     # MoE phase: every EP rank must run the same units; an aux loss over a tree forwarded
     # in parts needs the whole tree's router counts before the first unit.
@@ -158,7 +165,7 @@ def replay_step(
         routing_statistics, _ = collect_routing_statistics(model, tree, max_chunk_tokens=max_chunk_tokens,
                                                            group_ids=group_ids, cp_comm_type=cp_comm_type)
     # each CP rank caches only its share of every stem
-    capacity = path_capacity(ops, lambda op: local_unit_rows(model, tree, op.start, op.end))
+    capacity = path_capacity(ops, lambda op: local_unit_rows(model, tree, op.start, op.end, op.cached_end))
     run = Replayer(model, tree, loss_fn, exact, recompute_stem, cp_comm_type, capacity, scored, temps)
     meter = PeakMemory(run.device) if measure_memory else contextlib.nullcontext()
     with meter, bound_statistics(model, routing_statistics):

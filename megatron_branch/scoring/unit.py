@@ -52,16 +52,18 @@ def shape_linear_weight(shape: ModelShape) -> float:
     return 2.0 * shape.linear_params_per_layer() / (4.0 * shape.head_dim * shape.num_attention_heads)
 
 
-def local_unit_rows(model, tree: BranchTree, start: int, end: int) -> int:
-    """This rank's real tokens of the unit ``[start, end)``: its context-parallel share."""
+def local_unit_rows(model, tree: BranchTree, start: int, end: int, cached_end: Optional[int] = None) -> int:
+    """This rank's real tokens of the unit ``[start, end)`` before ``cached_end`` (default
+    ``end``; a stem's chain): their context-parallel share."""
+    cached_end = end if cached_end is None else cached_end
     cp_group = _cp_group()
     if cp_group is None:
-        return end - start
+        return cached_end - start
     config = unwrap(model).config
     params = BranchPackedSeqParams.for_unit(tree, start, end, multiple=unit_multiple(config), cp_group=cp_group,
                                             cp_linear_weight=linear_weight(config))
     lo, hi = params.local
-    return max(0, min(hi, params.num_real) - lo)
+    return max(0, min(hi, cached_end - start) - lo)
 
 
 class ChildIndex:

@@ -143,9 +143,9 @@ class BranchCoreAttention(MegatronModule):
         params = packed_seq_params
         cache = params.cache
         if params.stem_id is not None:
-            # Streaming replay: this forward is a stem; cache its K/V (after RoPE).
+            # Streaming replay: this forward is a stem; cache its chain's K/V (after RoPE).
             lo, hi = params.local
-            rows = max(0, min(hi, params.num_real) - lo)  # this rank's real (unpadded) tokens
+            rows = max(0, min(hi, params.cached_rows) - lo)  # this rank's tokens of the chain
             cache.record(self.layer_number, key, value, rows, params.stem_id)
             if params.inject:
                 key, value = inject(key, value, cache, self.layer_number, params.stem_id)

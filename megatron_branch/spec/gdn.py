@@ -83,7 +83,7 @@ class BranchGatedDeltaNet(GatedDeltaNet if GatedDeltaNet is not None else _NoGat
         stem = params.stem_id
         x = qkv[0]  # [U, conv_dim] convolution inputs
         if stem is not None and params.inject:
-            x = path.inject_rows(x, params.num_real, self.layer_number, stem)
+            x = path.inject_rows(x, params.cached_rows, self.layer_number, stem)
         tail = path.tail(self.layer_number, window - 1) if path is not None else None
         initial = path.path_state(self.layer_number) if path is not None else None
         rows = 0 if tail is None else tail.shape[0]
@@ -98,7 +98,7 @@ class BranchGatedDeltaNet(GatedDeltaNet if GatedDeltaNet is not None else _NoGat
                                  initial_state=initial)
         if stem is not None:
             final = finals[self._stem_segment(params)]
-            path.record(self.layer_number, x, params.num_real, window, final, stem)
+            path.record(self.layer_number, x, params.cached_rows, window, final, stem)
             if params.inject:
                 core = path.inject_state(core, final, self.layer_number, stem)
         core = core[None]
@@ -114,9 +114,10 @@ class BranchGatedDeltaNet(GatedDeltaNet if GatedDeltaNet is not None else _NoGat
         return out, out_bias
 
     def _stem_segment(self, params: BranchPackedSeqParams) -> int:
-        """The segment of a stem's chain (a stem is one chain, plus padding)."""
-        real = [i for i, seg in enumerate(params.segments) if seg.start < params.num_real]
-        if len(real) != 1:
+        """The segment of a stem's chain (its first segment; complete subtrees run with the
+        stem and padding come after it)."""
+        real = [i for i, seg in enumerate(params.segments) if seg.start < params.cached_rows]
+        if len(real) != 1 or params.segments[real[0]].end != params.cached_rows:
             raise RuntimeError(f"layer {self.layer_number} (GatedDeltaNet): a stem must be one chain, got "
                                f"{len(real)} segments")
         return real[0]

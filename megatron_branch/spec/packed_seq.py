@@ -39,6 +39,9 @@ class BranchPackedSeqParams(PackedSeqParams):
         cache: the K/V of the stems on the path above this unit, which every token here
             attends to (streaming replay), or None.
         stem_id: this forward is that stem's: it writes its K/V into ``cache``.
+        stem_rows: a stem's chain, its first ``stem_rows`` tokens: what it caches for the
+            units below (``None``: every real token; the rest are complete subtrees run
+            with it, :mod:`megatron_branch.replay.plan`).
         inject: add the gradients accumulated for ``stem_id`` in the backward (exact replay).
         cp: the context-parallel split of the unit, or None.
         multiplicity: ``[n_local]`` rollouts containing each token this rank runs (0 on
@@ -54,6 +57,7 @@ class BranchPackedSeqParams(PackedSeqParams):
     total: int = 0
     cache: Optional["PathCache"] = None
     stem_id: Optional[int] = None
+    stem_rows: Optional[int] = None
     inject: bool = False
     cp: Optional[CPLayout] = None
     multiplicity: Optional[Tensor] = None
@@ -146,6 +150,11 @@ class BranchPackedSeqParams(PackedSeqParams):
         if key not in self._memo:
             self._memo[key] = build()
         return self._memo[key]
+
+    @property
+    def cached_rows(self) -> int:
+        """Unit-relative end of the tokens a stem caches (its chain)."""
+        return self.num_real if self.stem_rows is None else self.stem_rows
 
     @property
     def local(self) -> Tuple[int, int]:
