@@ -40,7 +40,10 @@ pytestmark = pytest.mark.skipif(gdn_unavailable_reason() is not None, reason=str
 
 TOL = 1e-5
 DECAY = ("A_log", "dt_bias")
-DECAY_TP_TOL = 2e-4
+# float32 decay gradients under TP, relative to the gradient scale: sums with cancellation, moved by
+# the other float32 order of TP's partial sums (1.8e-5 in isolated runs, 3.1e-4 once in a full CI
+# suite run); float64 tests above hold them exact, and a wrong path or split moves them by O(1)
+DECAY_TP_TOL = 1e-3
 LAYOUTS = {"hybrid": dict(num_layers=4, linear_attention_freq=2),  # GDN, attention, GDN, attention
            "pure_gdn": dict(num_layers=2, linear_attention_freq=[1, 1])}
 
@@ -259,8 +262,8 @@ def test_tensor_parallel_trees_match_single_process(layout, cases, reference, tm
             got = res[f"{name}/{chunk}/{comm}"]
             diffs = scaled_diffs(got["grads"], ref[name]["grads"])
             # TP sums out_proj's partial products in another float32 order; the decay
-            # gradients (sums with cancellation) move by 1e-5..1e-4 of the gradient scale
-            # (measured up to 1.8e-5), everything else stays within TOL
+            # gradients (sums with cancellation) move by up to ~3e-4 of the gradient scale
+            # (DECAY_TP_TOL), everything else stays within TOL
             for param, diff in diffs.items():
                 assert diff < (DECAY_TP_TOL if param.endswith(DECAY) else TOL), (rank, name, param, diff)
             assert (got["lp"] - ref[name]["lp"]).abs().max() < TOL, (rank, name, chunk)
