@@ -20,7 +20,7 @@ cut into consecutive stem units.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -116,21 +116,24 @@ class _Planner:
         if stem_end < end:
             self.ops.append(ReplayOp("stem", start, stem_end))
             return [("subtree", stem_end, end, subtree_end), ("pop",)]
-        attached = self._attached(start, end, subtree_end) if self.attach else end
+        attached, below = self._attached(start, end, subtree_end) if self.attach else (end, None)
         self.ops.append(ReplayOp("stem", start, attached, None if attached == end else end))
-        return [("forest", attached, subtree_end), ("pop",)]
+        return (below if below is not None else [("forest", attached, subtree_end)]) + [("pop",)]
 
-    def _attached(self, start: int, end: int, subtree_end: int) -> int:
-        """End of the complete subtrees below the chain ``[start, end)`` that run with it:
-        the leading sibling spans that fit the budget, if that saves a unit (else ``end``)."""
+    def _attached(self, start: int, end: int, subtree_end: int) -> Tuple[int, List[tuple]]:
+        """End of the complete subtrees below the chain ``[start, end)`` that run with it (the
+        leading sibling spans that fit the budget, if that saves a unit, else ``end``) and
+        the planned items of the rest of its subtree."""
         pos = end
         for span in self._spans(self._siblings(end, subtree_end)):
             if span[-1][2] - start > self.budget:
                 break
             pos = span[-1][2]
-        if pos == end or len(self._forest(pos, subtree_end)) >= len(self._forest(end, subtree_end)):
-            return end
-        return pos
+        alone = self._forest(end, subtree_end)
+        if pos == end:
+            return end, alone
+        rest = self._forest(pos, subtree_end)
+        return (pos, rest) if len(rest) < len(alone) else (end, alone)
 
     def _spans(self, subtrees):
         """Sibling subtrees merged into contiguous spans that keep groups together."""
