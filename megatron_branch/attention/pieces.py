@@ -111,6 +111,10 @@ class PieceBatch:
 
 
 MAX_BATCH_ROWS = 1 << 16  # most query rows gathered for one batched call
+# A piece of at least this many queries runs as its own call on views of the packed
+# tensors rather than gathered into a batch: at that size one more kernel call costs
+# less than gathering its rows (forward and backward) and scattering their gradients.
+SOLO_ROWS = 512
 
 
 def plan_batches(pieces: Sequence[AttentionPiece], max_scores: Optional[int] = None,
@@ -135,6 +139,11 @@ def plan_batches(pieces: Sequence[AttentionPiece], max_scores: Optional[int] = N
         groups.setdefault(key, []).append(p)
     batches: List[PieceBatch] = []
     for (causal, nq_b, nk_b), members in sorted(groups.items(), key=lambda kv: kv[0]):
+        if len(members) > 1 and nq_b >= SOLO_ROWS and _batch(members, causal, nq_b, nk_b, num_rows).view is None:
+            for p in members:  # each on views: no gather
+                nq = p.q_hi - p.q_lo
+                batches.append(_batch([p], causal, nq, nq if causal else nk_b, num_rows))
+            continue
         if len(members) == 1:  # nothing to share a call with: its exact size (a view, no padding)
             nq_b = members[0].q_hi - members[0].q_lo
             nk_b = nq_b if causal else nk_b
