@@ -34,7 +34,9 @@ def select_output_rows(model, rows: Tensor) -> Iterator[None]:
 
     Args:
         model: a (possibly wrapped) GPTModel.
-        rows: ``[m]`` LongTensor of positions in the sequence this rank runs.
+        rows: ``[m]`` LongTensor of positions in the sequence this rank runs; a position
+            may repeat (:class:`~megatron_branch.scoring.unit.UnitRows` gives a branch point
+            once per scored child, so each child has its own logits row).
     """
     gpt = unwrap(model)
     layer = getattr(gpt, "output_layer", None) if getattr(gpt, "post_process", False) else None

@@ -119,9 +119,13 @@ class UnitRows:
 
     Attributes:
         mine: ``[m]`` packed indices of the scored tokens whose parent this rank runs.
-        rows: ``[u]`` distinct local positions of those parents: the rows the output
-            layer must produce (a branch point's row serves all its children).
-        inverse: ``[m]`` row in ``rows`` of each scored token's parent.
+        rows: ``[m]`` local position of each of those parents, sorted: the rows the
+            output layer produces. A branch point's row comes once per scored child, so
+            every child has its own logits row and the cross-entropy runs on the logits
+            as they stand; gathering the shared rows instead would copy the whole
+            ``[m, V / tp]`` logits (and scatter-add their gradient) for the few extra
+            output-layer rows this costs.
+        inverse: ``[m]`` row in ``rows`` of each scored token (a permutation).
         targets: ``[m]`` token ids of the scored tokens.
     """
 
@@ -133,7 +137,9 @@ class UnitRows:
         if scored is not None:
             mine = mine[scored[mine]]
         self.mine = mine
-        self.rows, self.inverse = torch.unique(tree.parents[mine] - start - lo, return_inverse=True)
+        self.rows, order = torch.sort(tree.parents[mine] - start - lo, stable=True)
+        self.inverse = torch.empty_like(order)
+        self.inverse[order] = torch.arange(order.numel(), device=order.device)
         self.targets = tree.tokens[mine]
 
 
@@ -148,6 +154,7 @@ def score_unit(
     unit_rows: Optional[UnitRows] = None,
     scored: Optional[Tensor] = None,
     temperatures: Optional[Tensor] = None,
+    consume_logits: bool = False,
 ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """Log-probs ``[m, k]`` (one column per temperature) of the scored tokens whose parent
     lies in ``[start, end)``; all-reduced over CP (identity backward), so every rank
@@ -155,14 +162,17 @@ def score_unit(
 
     Args:
         logits: this rank's logits: ``[n_local, V / tp]`` for every position, or
-            ``[u, V / tp]`` for ``unit_rows.rows`` only (:func:`megatron_branch.scoring.output_rows.output_rows`).
+            ``[m, V / tp]`` for ``unit_rows.rows`` only (:func:`megatron_branch.scoring.output_rows.output_rows`).
         unit_rows: given when ``logits`` holds only the selected rows.
         scored: ``[U]`` bool, the tokens to score (``None``: all).
         temperatures: ``[k]`` distinct sampling temperatures (``None``: 1.0).
+        consume_logits: ``logits`` are the model's output, read nowhere else: the
+            cross-entropy may overwrite them (:func:`child_logprobs`).
     """
     sel = unit_rows or UnitRows(tree, start, end, params, children, scored)
     picked = sel.inverse if unit_rows is not None else sel.rows[sel.inverse]
-    lp, ent = child_logprobs(logits, picked.to(logits.device), sel.targets.to(logits.device), entropy, temperatures)
+    lp, ent = child_logprobs(logits, picked.to(logits.device), sel.targets.to(logits.device), entropy, temperatures,
+                             consume=consume_logits)
     mine = sel.mine
     if params.cp is None:
         return mine, lp, ent
@@ -218,6 +228,6 @@ def forward_unit(
     sel = UnitRows(tree, start, end, params, children, scored)
     with select_output_rows(model, sel.rows):
         logits = model(ids.unsqueeze(0), params.positions.unsqueeze(0), attention_mask=None,
-                       packed_seq_params=params)[0]  # [u, V/tp]
+                       packed_seq_params=params).squeeze(0)  # [m, V/tp] (a view: its backward copies nothing)
     return score_unit(logits, tree, start, end, params, children, entropy, unit_rows=sel, scored=scored,
-                      temperatures=temperatures)
+                      temperatures=temperatures, consume_logits=True)

@@ -153,9 +153,10 @@ def make_forward_step(loss_fn: LossFn, forward_only: bool = False, cp_comm_type:
                            packed_seq_params=params)
 
         def loss_func(output_tensor: Tensor):
-            # [1, u, V/tp] on the last stage: the scored tokens' parents
-            idx, lp_child, _ = score_unit(output_tensor[0], tree, 0, n, params, children, unit_rows=rows,
-                                          scored=scored, temperatures=None if temps.is_one else temps.values)
+            # [1, m, V/tp] on the last stage: the scored tokens' parents, one row each
+            idx, lp_child, _ = score_unit(output_tensor.squeeze(0), tree, 0, n, params, children, unit_rows=rows,
+                                          scored=scored, temperatures=None if temps.is_one else temps.values,
+                                          consume_logits=True)  # Megatron's loss_func owns output_tensor
             lp = lp_child.new_zeros(n, temps.count).index_put((idx.to(lp_child.device),), lp_child)
             ids_r = torch.arange(tree.num_rollouts, device=HOST)  # indexes the host rollout ids
             with batch_part(tree.num_rollouts, item.global_rollouts):  # a micro-batch of the global batch

@@ -13,7 +13,10 @@ and counts, per rank:
 * the unit being run (a chunk, or a stem recomputed for its backward): saved activations
   ``LAYER_ELEMS`` per token per layer, ``TOKEN_ELEMS`` per token outside the layers, the
   unit's K/V gathered over CP and saved by every layer's attention, and float32 logits for
-  the scored tokens' parents only (``LOGIT_COPIES`` x vocab: logits, softmax, gradient);
+  the scored tokens only, one row each at its parent (``LOGIT_COPIES`` x vocab: Megatron's
+  cross-entropy works in place on the model's logits and its gradient reuses them), with
+  the output layer's weight-gradient temporaries (``OUTPUT_GRAD_COPIES`` x vocab x hidden)
+  that meet them at its backward;
 * the log-probs of the stems' children (a float32 leaf of ``U`` entries and its gradient);
 * the attention backward's float32 working set, which meets the other layers' saved
   activations at the top layer's backward (when the logits are already freed, so the
@@ -60,7 +63,8 @@ from megatron_branch.tree import BranchTree
 # saved activation elements per token per layer: a_h * hidden + a_kv * kv_dim + a_ffn * ffn
 LAYER_ELEMS = (10.2, 3.1, 5.1)
 TOKEN_ELEMS = 2.0  # x hidden, per token outside the layers (embedding output, final norm)
-LOGIT_COPIES = 3.0  # x vocab x 4 B, per scored parent row
+LOGIT_COPIES = 1.0  # x vocab x 4 B, per scored token (its logits row)
+OUTPUT_GRAD_COPIES = 4.0  # x vocab x hidden x 4 B: the output layer's backward, with the logits
 ATTN_PIECES = 12.5  # float32 x local queries x hidden: the pieces' backward
 ATTN_PREFIX = 4.5  # float32 x prefix queries x hidden: the path piece's backward
 ATTN_CACHE = 6.0  # float32 x cached rows x kv_dim: its dK/dV
@@ -131,7 +135,7 @@ def unit_parts(spec, tokens: float, unit_tokens: float, scored_rows: float, *, t
 
     Args:
         tokens: this rank's tokens of the unit; unit_tokens: the whole unit's.
-        scored_rows: this rank's logits rows (scored tokens' parents).
+        scored_rows: this rank's logits rows (one per scored token, at its parent).
         cached_rows: this rank's rows of the path cache above the unit.
         has_path: stems are cached above the unit (it runs the path attention).
         recompute: Megatron's activation recompute (``"full"`` keeps each layer's input
@@ -160,7 +164,8 @@ def unit_parts(spec, tokens: float, unit_tokens: float, scored_rows: float, *, t
     return {
         "activations": tokens * (per_token + TOKEN_ELEMS * spec.hidden_size / tp) * act_bytes,
         "gathered_kv": attn_layers * 2 * unit_tokens * kv_dim * act_bytes if cp > 1 else 0.0,
-        "logits": scored_rows * LOGIT_COPIES * spec.vocab_size / tp * 4,
+        "logits": (scored_rows * LOGIT_COPIES + (OUTPUT_GRAD_COPIES * spec.hidden_size if scored_rows else 0))
+        * spec.vocab_size / tp * 4,
         "attention": 4 * attention,
     }
 
@@ -208,8 +213,8 @@ def replay_peak_parts(spec, tree, *, chunk_tokens: Optional[int], tp: int = 1, c
     scored = scored_tokens(tree, score_mask) if score_mask is not None else torch.ones(tree.unique_positions,
                                                                                           dtype=torch.bool)
     parents = tree.parents.clone()
-    parent_scored = torch.zeros(tree.unique_positions, dtype=torch.bool)
-    parent_scored[parents[(parents >= 0) & scored]] = True
+    # logits rows per position: one per scored child (a branch point's row once per child)
+    parent_scored = torch.bincount(parents[(parents >= 0) & scored], minlength=tree.unique_positions)
     multiple = tp if tp > 1 else 1
     weight = shape_linear_weight(ModelShape(spec.num_layers, spec.hidden_size, spec.num_attention_heads,
                                             spec.num_kv_heads, spec.ffn_hidden_size, spec.vocab_size))
