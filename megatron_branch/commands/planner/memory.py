@@ -64,7 +64,11 @@ from megatron_branch.tree import BranchTree
 LAYER_ELEMS = (10.2, 3.1, 5.1)
 TOKEN_ELEMS = 2.0  # x hidden, per token outside the layers (embedding output, final norm)
 LOGIT_COPIES = 1.0  # x vocab x 4 B, per scored token (its logits row)
-OUTPUT_GRAD_COPIES = 4.0  # x vocab x hidden x 4 B: the output layer's backward, with the logits
+# x vocab x hidden x 4 B at the output layer's backward, with the logits: its weight-gradient
+# GEMM output and transpose, and the output and embedding weights' gradients, which the CPU
+# measurement the constants are fitted on counts once they are accumulated into (so a GPU
+# plan, which lists gradients apart, counts those two twice: on the safe side)
+OUTPUT_GRAD_COPIES = 4.0
 ATTN_PIECES = 12.5  # float32 x local queries x hidden: the pieces' backward
 ATTN_PREFIX = 4.5  # float32 x prefix queries x hidden: the path piece's backward
 ATTN_CACHE = 6.0  # float32 x cached rows x kv_dim: its dK/dV
