@@ -68,9 +68,17 @@ def test_tiny_bench_report(tmp_path):
     assert prof["shape"] == "G=4" and prof["ours_wall_seconds"] > 0
     total = sum(r["ours_seconds"] for r in prof["rows"])
     assert abs(total - prof["ours_wall_seconds"]) < 1e-6 * max(1.0, total) + 1e-9  # categories + overhead = wall
+    # each category also at naive's own cost per unit of work: attention per pair, the rest per position
+    w = prof["work_ratios"]
+    assert w["positions"] > 1 and w["pairs"] > 1, w
+    for r in prof["rows"]:
+        ratio = w["pairs"] if r["category"] == "attention kernel" else w["positions"]
+        assert abs(r["naive_rate_seconds"] * ratio - r["naive_seconds"]) <= 1e-9 * max(1.0, r["naive_seconds"]), r
+    assert abs(prof["naive_rate_ours_seconds"] - sum(r["naive_rate_seconds"] for r in prof["rows"])) < 1e-9
     table = format_table(report)
     assert "ideal FLOP ratio" in table and "ours_stream" in table and "naive_mb4" in table
     assert "where ours' gap" in table and "[" in table and "ms per chunk" in table
+    assert "at naive's own cost per unit of work" in table
     plot(report, str(tmp_path / "bench.png"))
     assert (tmp_path / "bench.png").stat().st_size > 10_000
     # the published tables are rendered from the JSON (megatron-branch bench --table)
