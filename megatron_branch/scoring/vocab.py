@@ -46,7 +46,7 @@ def _first_children(rows: Tensor, n: int) -> Tuple[Tensor, Tensor, Tensor]:
     first[sorted_rows[head]] = by_row[head]
     rest = by_row[~head]
     order = torch.empty(m, dtype=torch.long, device=rows.device)
-    order[first[sorted_rows[head]]] = sorted_rows[head]
+    order[by_row[head]] = sorted_rows[head]
     order[rest] = torch.arange(n, n + rest.numel(), device=rows.device)
     return first, rest, order
 
@@ -87,10 +87,11 @@ def child_logprobs(
         lp_t, ent_t = [], []
         for part, part_targets in parts:
             base = part.float()
-            # Megatron's cross-entropy works in place on a float32 input: never on the
-            # caller's logits, nor on a copy another column still reads
-            mine = (base is not logits or consume) and (base is not part or len(values) == 1)
-            scaled = base / t if t != 1.0 else (base if mine else base.clone())
+            # Megatron's cross-entropy works in place on a float32 input: on a fresh float
+            # copy, or on a tensor of ours (a gather, or consumed logits) no later column reads
+            fresh = base is not part
+            ours = part is not logits or consume
+            scaled = base / t if t != 1.0 else (base if fresh or (ours and len(values) == 1) else base.clone())
             if entropy:
                 ent_t.append(vocab_parallel_entropy(scaled))  # before the in-place CE
             # vocab_parallel_cross_entropy: [s, b, V/tp], [s, b] -> [s, b]
