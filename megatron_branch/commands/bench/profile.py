@@ -8,8 +8,8 @@ spend ``naive / ideal_ratio`` in every category; the *excess* of ours over that,
 category, is where the gap goes. The ideal FLOP ratio prices attention at the GEMMs' rate;
 each category is also given at naive's own cost per unit of work (its attention time per
 visible pair, the rest per position, applied to ours' pairs and positions), which is what a
-tree method running every kernel exactly as efficiently as naive would take. Both runs are profiled, so the profiler's own overhead
-lands mostly in the overhead row of both.
+tree method running every kernel exactly as efficiently as naive would take. Both runs are
+profiled, so the profiler's own overhead lands mostly in the overhead row of both.
 """
 
 from __future__ import annotations
