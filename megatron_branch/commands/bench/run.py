@@ -16,7 +16,9 @@ and speed-up vs the fastest naive (median, min, max), the ideal FLOP ratio (naiv
 per-rollout FLOPs / the tree's FLOPs) and the fraction of it reached, estimated FLOPs,
 peak memory (measured in the untimed first run, which also checks exactness) and the max
 relative gradient difference vs ``naive_mb1``. Only ratios are meaningful on a noisy
-machine; the presets run torch on one thread (``--threads``).
+machine; the presets run torch on one thread (``--threads``), and glibc keeps freed memory
+for reuse (``--allocator``, :mod:`megatron_branch.commands.bench.allocator`) so that no
+method's large tensors are page-faulted again every step.
 ``profile`` adds a torch.profiler breakdown of where ours' gap to the ideal ratio goes
 (:mod:`megatron_branch.commands.bench.profile`); ``peer`` compares with the real
 ``prefix_grouper`` package on a Hugging Face Llama (:mod:`megatron_branch.commands.bench.peer`).
@@ -37,6 +39,7 @@ import torch
 
 from megatron_branch import losses
 from megatron_branch._megatron import gdn_unavailable_reason
+from megatron_branch.commands.bench import allocator
 from megatron_branch.commands.bench.methods import prepare_methods
 from megatron_branch.commands.bench.peer import format_peer, run_peer
 from megatron_branch.commands.bench.profile import format_profile, profile_gap
@@ -100,6 +103,10 @@ class BenchConfig:
     # torch intra-op threads (None: torch's default). The presets use 1: on a small machine shared with
     # other jobs, multi-threaded kernels wait on descheduled threads and timings scatter by 10x.
     threads: Optional[int] = None
+    # "keep": glibc keeps freed memory for reuse, as a GPU's caching allocator does (large tensors are
+    # otherwise page-faulted again every step, which penalises whichever method has the biggest ones);
+    # "default": the process's allocator as it is (see commands/bench/allocator.py)
+    allocator: str = allocator.KEEP
 
     @classmethod
     def full(cls) -> "BenchConfig":
@@ -209,11 +216,14 @@ def run_bench(cfg: BenchConfig, methods: Optional[List[str]] = None, echo=print)
     returns the JSON-ready report."""
     enable_cpu()
     init_distributed()
+    host_allocator = allocator.apply(cfg.allocator)
     threads = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     try:
-        return _run_bench(cfg, methods, echo)
+        report = _run_bench(cfg, methods, echo)
+        report["allocator"] = host_allocator
+        return report
     finally:
         torch.set_num_threads(threads)
 
@@ -468,6 +478,8 @@ def main(args) -> int:
         cfg.peer = args.peer
     if args.profile is False:
         cfg.profile_shapes = []
+    if args.allocator:
+        cfg.allocator = args.allocator
     report = run_bench(cfg, args.methods)
     print(format_table(report))
     os.makedirs(args.out, exist_ok=True)
@@ -504,3 +516,7 @@ def add_arguments(parser) -> None:
                              "run and, for several, ours' %% of ideal and streaming's %% of one pass side by side")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None,
                         help="profile where ours' gap to the ideal ratio goes (default: on)")
+    parser.add_argument("--allocator", choices=allocator.CHOICES, default=None,
+                        help="host memory: 'keep' (default) has glibc keep freed memory for reuse, as a GPU's "
+                             "caching allocator does, so no method's large tensors are page-faulted again every "
+                             "step; 'default' leaves the allocator as it is")
