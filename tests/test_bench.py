@@ -318,3 +318,11 @@ def test_keep_freed_memory_stops_refaulting_large_tensors():
     assert int(default) > 10000, proc.stdout  # the probe can see the effect
     assert int(kept) < 1000, proc.stdout
     assert said.startswith("keep: glibc keeps freed memory")
+
+
+def test_unknown_allocator_setting_is_a_value_error():
+    from megatron_branch.commands.bench import allocator
+
+    with pytest.raises(ValueError, match="--allocator: 'jemalloc' is not one of"):
+        allocator.apply("jemalloc")
+    assert allocator.apply("default").startswith("default: ")  # changes nothing
