@@ -111,7 +111,8 @@ def test_bench_table_bad_input_is_one_line(content, message, tmp_path):
 
 def test_quick_config_shapes():
     quick, full = BenchConfig.quick(), BenchConfig.full()
-    assert quick.repeats >= 3 and full.repeats >= 3
+    # the published runs take 5 paired repeats: medians of 3 moved shapes by 10-25 points between runs
+    assert quick.repeats >= 3 and full.repeats >= 5
     for cfg in (quick, full):
         names = [s.name for s in cfg.shapes]
         assert any("agentic" in n for n in names) and any("no sharing" in n for n in names)
