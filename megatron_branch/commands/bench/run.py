@@ -126,7 +126,7 @@ class BenchConfig:
                        Shape("G=8 512+256", [512], [8], [256])]
         profile = ["G=16 p/r=16", "agentic forest 4x128, 3 turns x16, 4-way", "16x(4096+96)"]
         # hidden 128 (head dim 32): the naive micro-batch sweep on 16 x (4096 + 96) and 256-rollout forests
-        # must fit a ~25-minute run on 2 shared cores
+        # must fit a ~25-minute run on 2 shared cores (at 3 repeats; 5 take about half as long again)
         thd = [dict(seqs=16, prompt=512, response=512, shared=False), dict(seqs=16, prompt=1024, response=64, shared=True)]
         # 5 repeats: on 2 shared cores one method's run can be 15-20% slow in a repeat, and a median of 3 paired
         # ratios moved shapes by 10-25 points between runs (e.g. the forest at hidden 256 / 2 threads: 69% of
