@@ -67,6 +67,18 @@ def _as_token_array(seq: Rollout, index: int) -> np.ndarray:
     return arr
 
 
+def _lexicographic_order(arrays: List[np.ndarray]) -> np.ndarray:
+    """Stable lexicographic order of rollouts (non-negative ids), a prefix before its extensions.
+
+    Each rollout's key is its ids as big-endian unsigned bytes, whose byte order is the
+    numeric order, and a prefix's bytes sort before its extensions': one memcmp per
+    comparison. (``np.lexsort`` over the padded matrix makes one pass per column, tens of
+    milliseconds on 16 rollouts of 4K tokens, inside every step.)
+    """
+    keys = [a.astype(">u8").tobytes() for a in arrays]
+    return np.array(sorted(range(len(arrays)), key=keys.__getitem__), dtype=np.int64)
+
+
 def _unique_loss_mask(tree: "BranchTree", arrays: List[np.ndarray], loss_masks: Sequence[Rollout]) -> torch.Tensor:
     """``[U]`` bool loss mask per unique token, checked for agreement on shared tokens."""
     if len(loss_masks) != len(arrays):
@@ -195,11 +207,10 @@ class BranchTree:
         num = len(arrays)
         lengths = np.array([a.size for a in arrays], dtype=np.int64)
         max_len = int(lengths.max())
-        # -1 padding sorts before every token, so a prefix sorts before its extensions.
         mat = np.full((num, max_len), -1, dtype=np.int64)
         for i, a in enumerate(arrays):
             mat[i, : a.size] = a
-        order = np.lexsort(mat.T[::-1]) if num > 1 else np.zeros(1, dtype=np.int64)
+        order = _lexicographic_order(arrays)
         smat, slen = mat[order], lengths[order]
 
         # lcp[k]: common prefix of sorted rollouts k-1 and k (lcp[0] = 0).
@@ -216,24 +227,19 @@ class BranchTree:
         np.cumsum(new, out=offset[1:])
         total = int(offset[-1])
 
-        # rows in sorted order; shared tokens copy the row of the previous rollout.
-        srows = np.full((num, max_len), -1, dtype=np.int64)
-        for k in range(num):
-            if lcp[k]:
-                srows[k, : lcp[k]] = srows[k - 1, : lcp[k]]
-            srows[k, lcp[k] : slen[k]] = np.arange(offset[k], offset[k + 1])
+        # rows in sorted order: (k, d) is new where d >= lcp[k], else it is the row of
+        # (k - 1, d), i.e. of the last rollout k' <= k for which depth d was new
+        depth = np.arange(max_len)[None, :]
+        new_here = lcp[:, None] <= depth  # row 0 is new everywhere (lcp[0] = 0)
+        owner = np.maximum.accumulate(np.where(new_here, np.arange(num)[:, None], 0), axis=0)
+        inside = depth < slen[:, None]
+        srows = np.where(inside, offset[owner] + depth - lcp[owner], -1)
 
-        tokens = np.empty(total, dtype=np.int64)
-        positions = np.empty(total, dtype=np.int64)
-        parents = np.empty(total, dtype=np.int64)
-        for k in range(num):
-            if new[k] == 0:
-                continue
-            lo, hi = offset[k], offset[k + 1]
-            depth = np.arange(lcp[k], slen[k])
-            tokens[lo:hi] = smat[k, lcp[k] : slen[k]]
-            positions[lo:hi] = depth
-            parents[lo:hi] = np.where(depth > 0, srows[k, np.maximum(depth - 1, 0)], -1)
+        # the new tokens in row-major order are the packed rows offset[k] + d - lcp[k]
+        fresh = new_here & inside
+        tokens = smat[fresh]
+        positions = np.broadcast_to(depth, smat.shape)[fresh]
+        parents = np.concatenate([np.full((num, 1), -1, dtype=np.int64), srows[:, :-1]], axis=1)[fresh]
 
         # next_smaller[k]: first k' > k with lcp[k'] < lcp[k] (monotonic stack).
         next_smaller = np.full(num + 1, num, dtype=np.int64)

@@ -134,3 +134,22 @@ def test_share_limit():
         assert prompt_only.sequence(r).tolist() == s
     with pytest.raises(ValueError, match="share_limit"):
         BranchTree.from_sequences(seqs, share_limit=[1, 2])
+
+
+def test_rollout_order_is_lexicographic_with_prefixes_first():
+    # the packed order the tree is built in: the padded matrix's np.lexsort (-1 padding
+    # sorts a prefix before its extensions), ids past one byte and ties kept stable
+    from megatron_branch.tree import _lexicographic_order
+
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        base = rng.integers(0, 70000, size=rng.integers(1, 8))
+        arrays = []
+        for _ in range(rng.integers(1, 10)):
+            keep = int(rng.integers(0, base.size + 1))
+            tail = rng.choice([1, 255, 256, 65535, 65536, 2**40], size=rng.integers(0 if keep else 1, 4))
+            arrays.append(np.concatenate([base[:keep], tail]).astype(np.int64))
+        mat = np.full((len(arrays), max(a.size for a in arrays)), -1, dtype=np.int64)
+        for i, a in enumerate(arrays):
+            mat[i, : a.size] = a
+        assert _lexicographic_order(arrays).tolist() == np.lexsort(mat.T[::-1]).tolist()
