@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
-from megatron_branch.model import HOST
 from megatron_branch.tree import BranchSegment
 
 
@@ -167,23 +167,29 @@ def _steps(starts: List[int], width: int) -> Optional[int]:
 
 
 def _batch(members: Sequence[AttentionPiece], causal: bool, nq_b: int, nk_b: int, num_rows: int) -> PieceBatch:
-    # planned on the host; BranchPackedSeqParams moves each batch to the device once per forward
-    steps = torch.arange(nq_b, device=HOST)
+    # planned on the host (numpy: a handful of tiny arrays per batch, every step);
+    # BranchPackedSeqParams moves each batch to the device once per forward
+    steps = np.arange(nq_b)
     q_los = [p.q_lo for p in members]
     q_lens = [p.q_hi - p.q_lo for p in members]
-    q_lo = torch.tensor(q_los, device=HOST)[:, None]
-    q_len = torch.tensor(q_lens, device=HOST)[:, None]
+    k_los = [p.k_lo for p in members]
+    q_lo = np.asarray(q_los)[:, None]
+    q_len = np.asarray(q_lens)[:, None]
     valid = steps[None, :] < q_len
-    q_index = q_lo + torch.minimum(steps[None, :], q_len - 1)
-    k_lo = torch.tensor([p.k_lo for p in members], device=HOST)[:, None]
+    q_index = q_lo + np.minimum(steps[None, :], q_len - 1)
+    k_lo = np.asarray(k_los)[:, None]
     if causal:  # keys follow the queries (their indices differ under CP, where queries are shard-local)
-        k_index = k_lo + torch.minimum(steps[None, :], q_len - 1)
+        k_index = k_lo + np.minimum(steps[None, :], q_len - 1)
     else:
-        k_index = k_lo + torch.arange(nk_b, device=HOST)[None, :]
-    dest = torch.where(valid, q_index, num_rows).reshape(-1)
+        k_index = k_lo + np.arange(nk_b)[None, :]
+    dest = np.where(valid, q_index, num_rows).reshape(-1)
     view = None
     if all(n == nq_b for n in q_lens):
-        q_step, k_step = _steps(q_los, nq_b), _steps([p.k_lo for p in members], nk_b)
+        q_step, k_step = _steps(q_los, nq_b), _steps(k_los, nk_b)
         if q_step is not None and k_step is not None:
-            view = (q_los[0], q_step, members[0].k_lo, k_step)
-    return PieceBatch(causal, q_index, k_index, valid, dest, view)
+            view = (q_los[0], q_step, k_los[0], k_step)
+    return PieceBatch(causal, _host(q_index), _host(k_index), torch.from_numpy(valid), _host(dest), view)
+
+
+def _host(index: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(index, dtype=np.int64))

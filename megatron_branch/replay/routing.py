@@ -9,13 +9,13 @@ when that pass is needed and checks that expert-parallel ranks can run the step 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
 from megatron_branch.layout import ParallelLayout
 from megatron_branch.replay.plan import ReplayOp
-from megatron_branch.spec.moe import AUX_LOSSES, routers
+from megatron_branch.spec.moe import AUX_LOSSES, BranchTopKRouter, routers
 
 
 def forwards_in_parts(ops: Sequence[ReplayOp]) -> bool:
@@ -23,11 +23,11 @@ def forwards_in_parts(ops: Sequence[ReplayOp]) -> bool:
     return sum(op.kind in ("stem", "chunk") for op in ops) > 1
 
 
-def needs_routing_statistics(model, ops: Sequence[ReplayOp]) -> bool:
+def needs_routing_statistics(model, ops: Sequence[ReplayOp], found: Optional[List[BranchTopKRouter]] = None) -> bool:
     """Whether a replay step with the plan ``ops`` needs the whole tree's router counts
     first: an aux loss is on, the model trains with gradients, and the step forwards the
-    tree in parts."""
-    found = routers(model)
+    tree in parts. ``found``: the model's routers, when the caller has them."""
+    found = routers(model) if found is None else found
     if not found or not torch.is_grad_enabled() or not any(r.training for r in found):
         return False
     if not any(r.get_aux_loss_coeff(kind) > 0 for r in found for kind in AUX_LOSSES):
@@ -36,7 +36,7 @@ def needs_routing_statistics(model, ops: Sequence[ReplayOp]) -> bool:
 
 
 def check_expert_parallel_plan(model, ops: Sequence[ReplayOp], *, recompute_stem: bool = False,
-                               prefix_grad: str = "exact") -> None:
+                               prefix_grad: str = "exact", found: Optional[List[BranchTopKRouter]] = None) -> None:
     """Raise unless every rank of the expert-parallel group runs the same sequence of
     forwards and backwards (every MoE forward is an all-to-all over the EP group, so a
     rank with more or fewer units would hang the others). Collective over the EP group
@@ -48,7 +48,7 @@ def check_expert_parallel_plan(model, ops: Sequence[ReplayOp], *, recompute_stem
             (``max_chunk_tokens=None``), or trees and budgets that give equal plans.
     """
     ep_group = ParallelLayout.current().group("ep")
-    if ep_group is None or not routers(model):
+    if ep_group is None or not (routers(model) if found is None else found):
         return
     mine = (tuple(op.kind for op in ops), bool(recompute_stem), prefix_grad)
     plans = [None] * ep_group.size()

@@ -48,7 +48,6 @@ from megatron_branch.scoring.temperature import Temperature, Temperatures
 from megatron_branch.scoring.unit import local_unit_rows
 from megatron_branch.spec.moe import RoutingStatistics, collecting_statistics
 from megatron_branch.spec.moe import routing_statistics as bound_statistics
-from megatron_branch.spec.moe.routers import routers
 from megatron_branch.tree import BranchTree
 
 PrefixGrad = Literal["exact", "detached"]
@@ -148,27 +147,27 @@ def replay_step(
     if prefix_grad not in ("exact", "detached"):
         raise ValueError(f"prefix_grad: {prefix_grad!r} is not one of ('exact', 'detached')")
     model = single_chunk(model, "replay_step")
-    check_model(model, tree)
+    found = check_model(model, tree)  # and the MoE routers, from the same walk
     temps = Temperatures.of(temperature, tree.num_rollouts)
     exact = prefix_grad == "exact" and torch.is_grad_enabled()
     # A stem may also run complete subtrees below it (one unit fewer) where its graph is kept
     # for its pop anyway; not with recomputed or constant stems, nor MoE routers, whose
     # statistics pass must see the step's own units.
-    attach = exact and not recompute_stem and not routers(model)
+    attach = exact and not recompute_stem and not found
     ops = plan_replay(tree, max_chunk_tokens, group_ids, attach_subtrees=attach)
     owners: Dict[int, List[int]] = unit_of_rollouts(tree, ops)
     scored = None if score_mask is None else scored_tokens(tree, score_mask)
     # MoE phase: every EP rank must run the same units; an aux loss over a tree forwarded
     # in parts needs the whole tree's router counts before the first unit.
-    check_expert_parallel_plan(model, ops, recompute_stem=recompute_stem, prefix_grad=prefix_grad)
-    if routing_statistics is None and needs_routing_statistics(model, ops):
+    check_expert_parallel_plan(model, ops, recompute_stem=recompute_stem, prefix_grad=prefix_grad, found=found)
+    if routing_statistics is None and needs_routing_statistics(model, ops, found):
         routing_statistics, _ = collect_routing_statistics(model, tree, max_chunk_tokens=max_chunk_tokens,
                                                            group_ids=group_ids, cp_comm_type=cp_comm_type)
     # each CP rank caches only its share of every stem
     capacity = path_capacity(ops, lambda op: local_unit_rows(model, tree, op.start, op.end, op.cached_end))
     run = Replayer(model, tree, loss_fn, exact, recompute_stem, cp_comm_type, capacity, scored, temps)
     meter = PeakMemory(run.device) if measure_memory else contextlib.nullcontext()
-    with meter, bound_statistics(model, routing_statistics):
+    with meter, bound_statistics(model, routing_statistics, found):
         run.run(ops, owners)
     return ReplayStats(
         loss=run.total,

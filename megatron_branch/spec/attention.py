@@ -86,26 +86,40 @@ def _with_module(layer: ModuleSpec, module: type, submodules) -> ModuleSpec:
     return new_layer
 
 
+def is_tree_mixer(module) -> bool:
+    """``module`` is one of our tree sequence mixers (attention or GDN)."""
+    return isinstance(module, (BranchCoreAttention, BranchGatedDeltaNet))
+
+
 def is_branch_model(model) -> bool:
     """True if ``model`` (possibly wrapped) contains tree sequence mixers (attention or GDN)."""
-    return any(isinstance(m, (BranchCoreAttention, BranchGatedDeltaNet)) for m in model.modules())
+    return any(is_tree_mixer(m) for m in model.modules())
+
+
+NOT_A_BRANCH_MODEL = ("model: not built with megatron_branch.get_branch_layer_spec (no tree attention "
+                      "layers); positions and visibility would be wrong")
+
+
+def stock_mixer_error(name: str, module) -> Optional[str]:
+    """Why ``module`` (named ``name``) would run a packed tree as one sequence, or ``None``."""
+    stock_gdn = (GatedDeltaNet is not None and isinstance(module, GatedDeltaNet)
+                 and not isinstance(module, BranchGatedDeltaNet))
+    if stock_gdn or type(module).__name__ in ("MambaMixer", "MambaLayer"):
+        return (f"{name}: {type(module).__name__} is a stock recurrent layer; it would run the packed tree "
+                "as one sequence (build the model with apply_branch_attention; Mamba is not supported)")
+    if isinstance(module, Attention) and not isinstance(module, (BranchSelfAttention, BranchMLASelfAttention)):
+        # e.g. a HybridStack's DSA layer: stock attention would see the packed tree as one sequence
+        return (f"{name}: {type(module).__name__} is stock attention without tree support (the branch spec "
+                "installs tree attention in SelfAttention and MLASelfAttention layers only)")
+    return None
 
 
 def check_tree_attention(model) -> None:
     """Raise ``ValueError`` unless every sequence mixer of ``model`` (possibly wrapped) is a
     tree one: a stock layer would run the packed tree as one sequence."""
     if not is_branch_model(model):
-        raise ValueError(
-            "model: not built with megatron_branch.get_branch_layer_spec (no tree attention "
-            "layers); positions and visibility would be wrong"
-        )
+        raise ValueError(NOT_A_BRANCH_MODEL)
     for name, m in model.named_modules():
-        stock_gdn = (GatedDeltaNet is not None and isinstance(m, GatedDeltaNet)
-                     and not isinstance(m, BranchGatedDeltaNet))
-        if stock_gdn or type(m).__name__ in ("MambaMixer", "MambaLayer"):
-            raise ValueError(f"{name}: {type(m).__name__} is a stock recurrent layer; it would run the packed tree "
-                             "as one sequence (build the model with apply_branch_attention; Mamba is not supported)")
-        if isinstance(m, Attention) and not isinstance(m, (BranchSelfAttention, BranchMLASelfAttention)):
-            # e.g. a HybridStack's DSA layer: stock attention would see the packed tree as one sequence
-            raise ValueError(f"{name}: {type(m).__name__} is stock attention without tree support (the branch spec "
-                             "installs tree attention in SelfAttention and MLASelfAttention layers only)")
+        error = stock_mixer_error(name, m)
+        if error:
+            raise ValueError(error)

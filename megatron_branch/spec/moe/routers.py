@@ -19,27 +19,32 @@ def routers(model) -> List[BranchTopKRouter]:
     return [m for m in model.modules() if isinstance(m, BranchTopKRouter)]
 
 
-def check_moe_layers(model) -> None:
-    """Raise ``ValueError`` naming the first stock ``MoELayer`` of ``model``.
+def stock_moe_error(name: str, module) -> Optional[str]:
+    """Why ``module`` (named ``name``) cannot run under tree data, or ``None``: Megatron's
+    router computes its batch statistics (aux losses, expert-bias counts, capacity) over
+    the tokens it sees: under tree data, the unique tokens, not the naive batch's copies —
+    a silently different result."""
+    if isinstance(module, MoELayer) and not isinstance(module, BranchMoELayer):
+        return (f"model: {name} is Megatron's stock MoELayer, whose router statistics would count each "
+                "shared token once instead of once per rollout; build the spec with "
+                "get_branch_layer_spec(num_experts=...) or apply megatron_branch.spec.moe.apply_branch_moe to it")
+    return None
 
-    Megatron's router computes its batch statistics (aux losses, expert-bias counts,
-    capacity) over the tokens it sees: under tree data, the unique tokens, not the naive
-    batch's copies — a silently different result.
-    """
-    stock = next((n for n, m in model.named_modules() if isinstance(m, MoELayer)
-                  and not isinstance(m, BranchMoELayer)), None)
-    if stock is not None:
-        raise ValueError(
-            f"model: {stock} is Megatron's stock MoELayer, whose router statistics would count each "
-            "shared token once instead of once per rollout; build the spec with "
-            "get_branch_layer_spec(num_experts=...) or apply megatron_branch.spec.moe.apply_branch_moe to it"
-        )
+
+def check_moe_layers(model) -> None:
+    """Raise ``ValueError`` naming the first stock ``MoELayer`` of ``model`` (:func:`stock_moe_error`)."""
+    for name, m in model.named_modules():
+        error = stock_moe_error(name, m)
+        if error:
+            raise ValueError(error)
 
 
 @contextlib.contextmanager
-def routing_statistics(model, statistics: Optional[RoutingStatistics]) -> Iterator[None]:
-    """Inside, the model's routers take streaming units' aux-loss counts from ``statistics``."""
-    found = routers(model)
+def routing_statistics(model, statistics: Optional[RoutingStatistics],
+                       found: Optional[List[BranchTopKRouter]] = None) -> Iterator[None]:
+    """Inside, the model's routers (``found``, when the caller has them) take streaming
+    units' aux-loss counts from ``statistics``."""
+    found = routers(model) if found is None else found
     for router in found:
         router.use_statistics(statistics)
     try:
