@@ -26,7 +26,7 @@ from megatron_branch.reference.agreement import compare_grads, grads
 from megatron_branch.reference.bias import token_dropping_bias
 from megatron_branch.reference.naive import naive_moe_logprobs
 from megatron_branch.replay.plan import plan_replay
-from megatron_branch.replay.routing import needs_routing_statistics
+from megatron_branch.replay.routing import needs_routing_statistics, routed_before_backward
 from megatron_branch.scoring.unit import forward_unit
 from megatron_branch.spec import apply_branch_attention, moe
 from megatron_branch.spec.builders import build_gpt, llama_config
@@ -152,6 +152,39 @@ def test_streaming_replay_matches_naive_batch(recompute_stem):
         return None
 
     check(branch, stock, seqs, stream)
+
+
+IN_STEP = {
+    "all_three": dict(LOSSES["all_three"]),
+    "per_token_loss": dict(LOSSES["all_three"], calculate_per_token_loss=True),
+    # Megatron recomputes the MoE layer in the backward: it routes tokens already counted
+    "recompute_moe": dict(LOSSES["all_three"], recompute_granularity="selective", recompute_modules=["moe"]),
+    "recompute_stem": dict(LOSSES["all_three"]),
+}
+
+
+@pytest.mark.parametrize("case", list(IN_STEP))
+def test_statistics_from_the_steps_own_forwards(case):
+    """A plan whose backwards all follow its last forward (a stem, then one chunk) counts the
+    tree in its own forwards: no statistics pass, and still the naive batch's gradients,
+    logged losses and counts."""
+    seqs = equal_lengths()  # 24-token prompt, then 42 tokens of branches: stem + one chunk at 42
+    tree = mb.BranchTree.from_sequences(seqs)
+    assert [op.kind for op in plan_replay(tree, 42, attach_subtrees=True)] == ["stem", "chunk", "pop"]
+    assert routed_before_backward(plan_replay(tree, 42)) and not routed_before_backward(plan_replay(tree, 30))
+    branch, stock = make_pair(**IN_STEP[case])
+    forwards = []
+    hook = branch.register_forward_hook(lambda *_: forwards.append(1))
+
+    def stream(model, tree, loss_fn):
+        stats = mb.replay_step(model, tree, loss_fn, max_chunk_tokens=42, recompute_stem=case == "recompute_stem")
+        assert (stats.num_stems, stats.num_chunks) == (1, 1)
+
+    try:
+        check(branch, stock, seqs, stream, tree)
+    finally:
+        hook.remove()
+    assert len(forwards) == 2 + (case == "recompute_stem")  # stem, chunk (, the stem's recompute at its pop)
 
 
 @pytest.mark.parametrize("recompute", ["full", "moe"])
@@ -328,9 +361,11 @@ EP_LAYOUTS = {
     # EP=2 across two data-parallel ranks: each its own tree; gradients = the mean of the trees' steps.
     # Streaming needs equal replay plans on the EP ranks (every MoE forward is an all-to-all).
     # Different trees streamed give different plans: refused (not a hang).
-    "ep2-dp2": (dict(tp=1, ep=2), [(("a", "b"), None), (("a", "a"), 10), (("a", "b"), 10)]),
+    # At 100 the plan is a stem (with attached subtrees) and one chunk: the step's own forwards
+    # count the routing (no statistics pass), summed over the groups after the last forward.
+    "ep2-dp2": (dict(tp=1, ep=2), [(("a", "b"), None), (("a", "a"), 10), (("a", "b"), 10), (("a", "a"), 100)]),
     # EP=2 across the two tensor-parallel ranks (sequence parallel): one tree.
-    "ep2-tp2-sp": (dict(tp=2, ep=2, sp=True), [(("a",), None), (("b",), 7)]),
+    "ep2-tp2-sp": (dict(tp=2, ep=2, sp=True), [(("a",), None), (("b",), 7), (("a",), 140)]),
 }
 
 

@@ -108,11 +108,15 @@ class Replayer:
         self.children = ChildIndex(tree)
         self.sync = GradSync(model)
         self.final = False  # the step's last backward: Megatron DDP may reduce in it
+        # called once, right after the plan's last unit forward (before its backward)
+        self.after_last_forward: Optional[Callable[[], None]] = None
+        self._forwards_left = 0
 
     def run(self, ops: Sequence[ReplayOp], owners: Dict[int, List[int]]) -> None:
         """Run the plan ``ops``; ``owners[i]`` lists the rollouts whose loss op ``i`` evaluates."""
         last_backward = max((i for i, op in enumerate(ops) if op.kind == "chunk" or (op.kind == "pop" and self.exact)),
                             default=-1)
+        self._forwards_left = sum(op.kind in ("stem", "chunk") for op in ops)
         for i, op in enumerate(ops):
             self.final = i == last_backward
             if op.kind == "stem":
@@ -127,6 +131,13 @@ class Replayer:
         ctx = contextlib.nullcontext() if self.final else self.sync.hold()
         with ctx:
             torch.autograd.backward(tensors, grads)
+
+    def unit_done(self) -> None:
+        """A planned unit's forward is done (a stem's recompute at its pop is not one)."""
+        self._forwards_left -= 1
+        if self._forwards_left == 0 and self.after_last_forward is not None:
+            hook, self.after_last_forward = self.after_last_forward, None
+            hook()
 
     def forward_unit(self, start: int, end: int, **stem) -> Tuple[Tensor, Tensor]:
         """Forward the unit ``[start, end)`` below the current path: ``(children [m], lp [m, k])``."""
@@ -169,6 +180,7 @@ class Replayer:
         with ctx:
             children, lp = self.forward_unit(op.start, op.end, stem_id=stem_id, inject=keep,
                                              stem_rows=op.cached_end - op.start)
+        self.unit_done()
         rows = self.cache.push()
         with torch.no_grad():
             self.lp_known[children.to(self.device)] = lp.detach().float()
@@ -200,4 +212,5 @@ class Replayer:
     def chunk(self, op: ReplayOp, rollouts: Sequence[int]) -> None:
         """Forward the chunk ``op`` below the path, evaluate its rollouts, backward at once."""
         own = self.forward_unit(op.start, op.end)
+        self.unit_done()
         self.evaluate(rollouts, own)

@@ -3,8 +3,11 @@
 A streaming step forwards and backwards part of the tree before the rest has been
 routed, so an aux loss (which needs the naive batch's expert counts) gets them from one
 forward-only pass over the tree made first
-(:func:`megatron_branch.replay.step.collect_routing_statistics`). This module decides
-when that pass is needed and checks that expert-parallel ranks can run the step at all.
+(:func:`megatron_branch.replay.step.collect_routing_statistics`), unless every backward
+of the plan runs after its last forward (one trailing chunk below the stems, the common
+shape of a G-rollout group): then the step's own forwards count the tree and the aux
+losses' gradients read the counts at the backward. This module decides which, and checks
+that expert-parallel ranks can run the step at all.
 """
 
 from __future__ import annotations
@@ -21,6 +24,16 @@ from megatron_branch.spec.moe import AUX_LOSSES, BranchTopKRouter, routers
 def forwards_in_parts(ops: Sequence[ReplayOp]) -> bool:
     """The plan forwards the tree in more than one unit."""
     return sum(op.kind in ("stem", "chunk") for op in ops) > 1
+
+
+def routed_before_backward(ops: Sequence[ReplayOp]) -> bool:
+    """Every model backward of the plan runs after its last forward (at most one chunk,
+    the last unit; the stems' backwards run at their pops): the step's own forwards have
+    then routed the whole tree before any aux loss needs its counts, so no statistics pass
+    is needed (:class:`~megatron_branch.spec.moe.RoutingStatistics` ``in_step``)."""
+    forwards = [i for i, op in enumerate(ops) if op.kind in ("stem", "chunk")]
+    backwards = [i for i, op in enumerate(ops) if op.kind in ("chunk", "pop")]
+    return not forwards or not backwards or min(backwards) >= max(forwards)
 
 
 def needs_routing_statistics(model, ops: Sequence[ReplayOp], found: Optional[List[BranchTopKRouter]] = None) -> bool:

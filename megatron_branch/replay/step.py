@@ -20,9 +20,11 @@ Costs (U = unique positions, S = tokens in stem units):
   constant, so its parameters get no gradient through it — cheaper and biased
   (:func:`megatron_branch.reference.bias.prefix_grad_bias` measures how much).
 
-MoE models: a step that forwards the tree in parts with an aux loss on first collects
-the whole tree's router counts with one forward-only pass (:func:`collect_routing_statistics`;
-:mod:`megatron_branch.replay.routing` decides when), then runs with them bound; under
+MoE models: a step that forwards the tree in parts with an aux loss on needs the whole
+tree's router counts. Where every backward of its plan runs after its last forward (one
+trailing chunk below the stems) its own forwards count them and the aux losses read them
+at the backward; otherwise it first collects them with one forward-only pass
+(:func:`collect_routing_statistics`; :mod:`megatron_branch.replay.routing` decides). Under
 expert parallelism the ranks' plans are checked to match first.
 
 The steps themselves are :class:`megatron_branch.replay.replayer.Replayer`'s.
@@ -41,7 +43,7 @@ from megatron_branch.model import model_device, single_chunk
 from megatron_branch.peak_memory import PeakMemory
 from megatron_branch.replay.plan import path_capacity, plan_replay, unit_of_rollouts
 from megatron_branch.replay.replayer import LossFn, Replayer, split_loss  # noqa: F401 - split_loss re-exported
-from megatron_branch.replay.routing import check_expert_parallel_plan, needs_routing_statistics
+from megatron_branch.replay.routing import check_expert_parallel_plan, needs_routing_statistics, routed_before_backward
 from megatron_branch.scoring.checks import check_model
 from megatron_branch.scoring.output_rows import scored_tokens
 from megatron_branch.scoring.temperature import Temperature, Temperatures
@@ -151,23 +153,36 @@ def replay_step(
     temps = Temperatures.of(temperature, tree.num_rollouts)
     exact = prefix_grad == "exact" and torch.is_grad_enabled()
     # A stem may also run complete subtrees below it (one unit fewer) where its graph is kept
-    # for its pop anyway; not with recomputed or constant stems, nor MoE routers, whose
-    # statistics pass must see the step's own units.
-    attach = exact and not recompute_stem and not found
+    # for its pop anyway; not with recomputed or constant stems.
+    attach = exact and not recompute_stem
     ops = plan_replay(tree, max_chunk_tokens, group_ids, attach_subtrees=attach)
-    owners: Dict[int, List[int]] = unit_of_rollouts(tree, ops)
-    scored = None if score_mask is None else scored_tokens(tree, score_mask)
-    # MoE phase: every EP rank must run the same units; an aux loss over a tree forwarded
-    # in parts needs the whole tree's router counts before the first unit.
-    check_expert_parallel_plan(model, ops, recompute_stem=recompute_stem, prefix_grad=prefix_grad, found=found)
+    # MoE phase: an aux loss over a tree forwarded in parts needs the whole tree's router
+    # counts before the first backward: from the step's own forwards where the plan has
+    # no backward before its last forward, else from a forward-only pass first, which
+    # forwards the plan without attached subtrees (the step runs the same units, so
+    # that its routing sees identical inputs).
+    in_step, statistics_pass = None, False
     if routing_statistics is None and needs_routing_statistics(model, ops, found):
+        if routed_before_backward(ops):
+            routing_statistics = in_step = RoutingStatistics(tree, in_step=True)
+        else:
+            ops = plan_replay(tree, max_chunk_tokens, group_ids) if attach else ops
+            statistics_pass = True
+    # every EP rank must run the same units (the statistics pass included)
+    check_expert_parallel_plan(model, ops, recompute_stem=recompute_stem, prefix_grad=prefix_grad, found=found)
+    if statistics_pass:
         routing_statistics, _ = collect_routing_statistics(model, tree, max_chunk_tokens=max_chunk_tokens,
                                                            group_ids=group_ids, cp_comm_type=cp_comm_type)
+    owners: Dict[int, List[int]] = unit_of_rollouts(tree, ops)
+    scored = None if score_mask is None else scored_tokens(tree, score_mask)
     # each CP rank caches only its share of every stem
     capacity = path_capacity(ops, lambda op: local_unit_rows(model, tree, op.start, op.end, op.cached_end))
     run = Replayer(model, tree, loss_fn, exact, recompute_stem, cp_comm_type, capacity, scored, temps)
+    if in_step is not None:
+        run.after_last_forward = lambda: in_step.finish(found)
     meter = PeakMemory(run.device) if measure_memory else contextlib.nullcontext()
-    with meter, bound_statistics(model, routing_statistics, found):
+    collect = collecting_statistics(model, in_step, found) if in_step is not None else contextlib.nullcontext()
+    with meter, bound_statistics(model, routing_statistics, found), collect:
         run.run(ops, owners)
     return ReplayStats(
         loss=run.total,

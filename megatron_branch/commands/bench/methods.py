@@ -24,7 +24,8 @@ CPU flash kernel through SDPA or the cascade's piece calls), so ratios measure m
 
 On a Mixture-of-Experts model the naive batch masks its padding out of the router
 statistics (:func:`megatron_branch.spec.moe.naive_moe_logprobs`) and the tree methods run
-:func:`megatron_branch.replay_step` (streaming collects the router counts first).
+:func:`megatron_branch.replay_step` (streaming counts the routing in its own forwards where
+its plan allows, else in a forward-only pass first: ``ours_stream_small``).
 """
 
 from __future__ import annotations

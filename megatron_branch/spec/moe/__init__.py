@@ -36,11 +36,14 @@ known, so a forward of any part of the tree contributes its tokens' share and th
 add up to the naive value. One packed pass (``rollout_logprobs``, ``replay_step`` without
 a budget, pipeline micro-batches) computes the counts itself (all-reduced over TP x CP as
 Megatron does). Streaming replay forwards and backwards part of the tree before the rest
-has been routed, so the aux losses then need the step's counts first:
-:func:`megatron_branch.replay_step` collects them with one forward-only pass
+has been routed. Where every backward of its plan follows its last forward (stems, then
+one chunk), :func:`megatron_branch.replay_step` counts the tree in those forwards and the
+aux losses enter the graph as :class:`~.statistics.LateCounts`, whose backward reads the
+completed counts (their values are logged once the counts are complete). Otherwise it
+collects the counts first with one forward-only pass
 (:func:`megatron_branch.replay.routing.collect_routing_statistics`, which also returns
 the log-probs, e.g. the old-policy ones when the weights have not changed) and binds them
-(:func:`routing_statistics`). The z-loss and the token counts need no such pass.
+(:func:`routing_statistics`). The z-loss and the token counts need neither.
 
 Conditions: routing that depends on the whole batch cannot be exact and is refused
 (``ValueError``): token dropping (an expert's capacity is a fraction of the micro-batch's

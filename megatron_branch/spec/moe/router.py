@@ -137,12 +137,14 @@ class BranchTopKRouter(TopKRouter):
         if coeff == 0:
             return probs
         num, total = self.config.num_moe_experts, tokens.total
-        counts = self._expert_counts(tokens, routing_map)  # [E], the whole naive batch
+        scale = num * coeff / (self.topk * total * total)
         share = self._weighted(scores_for_aux_loss, tokens).sum(0)  # [E], this forward's tokens
-        aux = (share * counts.to(share.dtype)).sum() * (num * coeff / (self.topk * total * total))
-        return self.attach_and_log_load_balancing_loss(
-            probs, coeff, aux, "load_balancing_loss", self.tp_cp_group,
-            valid_token_count=self._valid(tokens))
+        if self._pending(tokens):
+            aux = self._stats.later(self, "aux_loss", share, lambda c: c.experts * scale)
+        else:
+            counts = self._expert_counts(tokens, routing_map)  # [E], the whole naive batch
+            aux = (share * counts.to(share.dtype)).sum() * scale
+        return self._attach(probs, "aux_loss", aux, self._valid(tokens))
 
     def _apply_seq_aux_loss(self, probs, scores_for_aux_loss, routing_map, seq_length, bsz,
                             with_padding_mask=False):
@@ -154,14 +156,20 @@ class BranchTopKRouter(TopKRouter):
         if coeff == 0:
             return probs
         num, total, rollouts = self.config.num_moe_experts, tokens.total, tokens.tree.num_rollouts
-        per_rollout = self._rollout_counts(tokens, routing_map)  # [R, E]
-        # [n, E]: sum of F_re over the rollouts r containing each token
-        weight = tokens.sums.per_token(per_rollout.to(scores_for_aux_loss.device)).to(scores_for_aux_loss.dtype)
-        aux = (scores_for_aux_loss * weight).sum() * (num * coeff * rollouts / (self.topk * total * total))
+        scale = num * coeff * rollouts / (self.topk * total * total)
+        device = scores_for_aux_loss.device
+
+        def weights(counts: LayerCounts) -> Tensor:  # [n, E]: sum of F_re over the rollouts r containing each token
+            return tokens.sums.per_token(counts.rollouts.to(device)) * scale
+
+        if self._pending(tokens):
+            aux = self._stats.later(self, "seq_aux_loss", scores_for_aux_loss, weights)
+        else:
+            counts = LayerCounts(None, self._rollout_counts(tokens, routing_map))  # [R, E]
+            aux = (scores_for_aux_loss * weights(counts).to(scores_for_aux_loss.dtype)).sum()
         tp_cp = self.tp_cp_group.size()
         valid = total / tp_cp if self.behaviour.seq_aux_counts_micro_batch else total / (tp_cp * rollouts)
-        return self.attach_and_log_load_balancing_loss(
-            probs, coeff, aux, "seq_load_balancing_loss", self.tp_cp_group, valid_token_count=valid)
+        return self._attach(probs, "seq_aux_loss", aux, valid)
 
     def _apply_global_aux_loss(self, probs, scores_for_aux_loss, routing_map, with_padding_mask=False):
         tokens = self._tree
@@ -170,18 +178,44 @@ class BranchTopKRouter(TopKRouter):
         coeff = self.get_aux_loss_coeff("global_aux_loss")
         if coeff == 0:
             return probs
-        counts = self._expert_counts(tokens, routing_map, dp=True)  # [E] over TP x CP x DP
-        if self._first_global_forward(tokens):
-            self.global_tokens_per_expert += counts.to(self.global_tokens_per_expert.dtype)
-            self.ga_steps += 1
-        average = self.global_tokens_per_expert / self.ga_steps
-        total = float(counts.sum()) / self.topk
         share = self._weighted(scores_for_aux_loss, tokens).sum(0)
-        aux = (share * average.to(share.dtype)).sum() * (
-            self.config.num_moe_experts * coeff / (self.topk * total * total))
-        return self.attach_and_log_load_balancing_loss(
-            probs, coeff, aux, "global_load_balancing_loss", self.tp_dp_cp_group,
-            valid_token_count=self._valid(tokens), **self.behaviour.global_aux_log_flag)
+
+        def weights(counts: Tensor) -> Tensor:  # [E]: the running average counts, scaled
+            total = float(counts.sum()) / self.topk
+            average = self.global_tokens_per_expert / self.ga_steps
+            return average * (self.config.num_moe_experts * coeff / (self.topk * total * total))
+
+        if self._pending(tokens):  # the running counts are added at the statistics' finish
+            aux = self._stats.later(self, "global_aux_loss", share, lambda c: weights(c.experts_dp))
+        else:
+            counts = self._expert_counts(tokens, routing_map, dp=True)  # [E] over TP x CP x DP
+            if self._first_global_forward(tokens):
+                self.global_tokens_per_expert += counts.to(self.global_tokens_per_expert.dtype)
+                self.ga_steps += 1
+            aux = (share * weights(counts).to(share.dtype)).sum()
+        return self._attach(probs, "global_aux_loss", aux, self._valid(tokens))
+
+    # the aux losses' logging names and reduction groups, as Megatron's router logs them
+    def _attach(self, probs: Tensor, kind: str, aux: Tensor, valid: float) -> Tensor:
+        """Megatron's ``attach_and_log_load_balancing_loss`` for the aux loss ``kind``."""
+        coeff = self.get_aux_loss_coeff(kind)
+        if kind == "global_aux_loss":
+            return self.attach_and_log_load_balancing_loss(
+                probs, coeff, aux, "global_load_balancing_loss", self.tp_dp_cp_group, valid_token_count=valid,
+                **self.behaviour.global_aux_log_flag)
+        name = "load_balancing_loss" if kind == "aux_loss" else "seq_load_balancing_loss"
+        return self.attach_and_log_load_balancing_loss(probs, coeff, aux, name, self.tp_cp_group,
+                                                       valid_token_count=valid)
+
+    def log_deferred(self, kind: str, aux: Tensor) -> None:
+        """Log the value of a deferred aux loss (:meth:`RoutingStatistics.later`) once its
+        counts are complete, through the same logging as a forward (the loss attached to a
+        throwaway tensor: its gradient went through :class:`LateCounts`)."""
+        self._attach(aux.new_zeros(1), kind, aux.detach(), 1.0)
+
+    def _pending(self, tokens: TreeTokens) -> bool:
+        """This forward holds part of the tree and the step's counts are not complete yet."""
+        return not tokens.complete and self._stats is not None and self._stats.pending
 
     def _valid(self, tokens: TreeTokens) -> float:
         # attach_and_log_load_balancing_loss applies the release's own per-token scaling to it

@@ -55,9 +55,11 @@ def routing_statistics(model, statistics: Optional[RoutingStatistics],
 
 
 @contextlib.contextmanager
-def collecting_statistics(model, statistics: RoutingStatistics) -> Iterator[List[BranchTopKRouter]]:
-    """Inside, every tree forward's routing is recorded into ``statistics``; yields the routers."""
-    found = routers(model)
+def collecting_statistics(model, statistics: RoutingStatistics,
+                          found: Optional[List[BranchTopKRouter]] = None) -> Iterator[List[BranchTopKRouter]]:
+    """Inside, every tree forward's routing is recorded into ``statistics``; yields the
+    routers (``found``, when the caller has them)."""
+    found = routers(model) if found is None else found
     for router in found:
         router.collect_into(statistics)
     try:

@@ -11,7 +11,7 @@ whose forwards each hold only part of the tree.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Sequence, Set
+from typing import Callable, Dict, Optional, Sequence, Set
 
 import torch
 from torch import Tensor
@@ -149,21 +149,55 @@ class LayerCounts:
     experts_dp: Optional[Tensor] = None  # [E] also summed over DP (global aux loss)
 
 
+class LateCounts(torch.autograd.Function):
+    """``sum(x * w)`` where the weights ``w`` (the whole tree's counts, scaled) are known only
+    once every unit of the step has been routed: the forward returns 0 and the backward
+    reads ``w``. The value itself is logged when the counts are complete
+    (:meth:`RoutingStatistics.finish`); Megatron's ``MoEAuxLossAutoScaler`` only needs the
+    aux loss's gradient from it."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weights: Callable[[], Tensor]) -> Tensor:  # noqa: D102
+        ctx.weights = weights
+        return x.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # noqa: D102
+        return grad * ctx.weights().to(grad.dtype), None
+
+
 @dataclass
 class RoutingStatistics:
     """One step's router counts per MoE layer, for streaming replay's aux losses.
 
-    Made by :func:`collect_routing_statistics`; bound with :func:`routing_statistics`.
-    Valid for the tree and weights it was collected with.
+    Either collected before the step by a forward-only pass
+    (:func:`~megatron_branch.replay.step.collect_routing_statistics`), or, with
+    ``in_step``, by the step's own forwards where every model backward of its plan runs
+    after its last forward: the aux losses then enter the graph as :class:`LateCounts`
+    (gradient read at the backward) and are logged at :meth:`finish`. Bound with
+    :func:`~megatron_branch.spec.moe.routers.routing_statistics`; valid for the tree and
+    weights it was collected with.
     """
 
     tree: BranchTree
+    in_step: bool = False
     layers: Dict[int, LayerCounts] = field(default_factory=dict)
     _global_added: Set[int] = field(default_factory=set)
     _finished: bool = False
+    # in_step: per (router, aux loss) the deferred values of the forwards so far, logged at finish
+    _deferred: Dict[tuple, list] = field(default_factory=dict)
+
+    @property
+    def pending(self) -> bool:
+        """Collected in the step and not complete yet (its aux losses are deferred)."""
+        return self.in_step and not self._finished
 
     def add(self, router, tokens: TreeTokens, logits: Tensor) -> None:
         """Record one forward's routing of ``tokens`` by ``router`` (a ``BranchTopKRouter``)."""
+        if self._finished:
+            # in_step: a recompute in the backward (Megatron's activation recompute, a
+            # recomputed stem) routes tokens already counted
+            return
         with torch.no_grad():
             rmap, _ = compute_routing_scores_for_aux_loss(
                 logits.reshape(-1, router.config.num_moe_experts).detach(), router.topk, router.score_function)
@@ -176,8 +210,19 @@ class RoutingStatistics:
             entry.experts += (rmap * tokens.weights.double()[:, None]).sum(0)
             entry.rollouts += tokens.sums.per_rollout(rmap).to(entry.rollouts.device)
 
+    def later(self, router, kind: str, x: Tensor, weights_of: Callable[[LayerCounts], Tensor]) -> Tensor:
+        """``sum(x * weights_of(counts))`` of ``router``'s layer, deferred (``in_step``):
+        differentiable in ``x``; its value is logged as ``kind`` at :meth:`finish`."""
+        self._deferred.setdefault((router, kind), []).append((x.detach(), weights_of))
+        return LateCounts.apply(x, lambda: weights_of(self.counts(router)))
+
     def finish(self, routers: Sequence) -> None:
-        """Sum the counts over each router's TP x CP group (and DP for the global aux loss)."""
+        """Sum the counts over each router's TP x CP group (and DP for the global aux loss).
+
+        ``in_step``: also adds them to the global aux loss's running counts (once per
+        router, as one micro-batch) and logs the deferred aux losses through each router's
+        own logging. A collective over those groups.
+        """
         for router in routers:
             entry = self.layers.get(id(router))
             if entry is None:
@@ -187,6 +232,17 @@ class RoutingStatistics:
             all_reduce(entry.experts, router.tp_cp_group)
             all_reduce(entry.rollouts, router.tp_cp_group)
         self._finished = True
+        if not self.in_step:
+            return
+        for router in routers:
+            if router.get_aux_loss_coeff("global_aux_loss") > 0 and self.first_global_forward(router):
+                counts = self.layers[id(router)].experts_dp
+                router.global_tokens_per_expert += counts.to(router.global_tokens_per_expert.dtype)
+                router.ga_steps += 1
+        for (router, kind), parts in self._deferred.items():
+            counts = self.layers[id(router)]
+            router.log_deferred(kind, sum((x * w(counts).to(x.dtype)).sum() for x, w in parts))
+        self._deferred.clear()
 
     def counts(self, router) -> LayerCounts:
         """The whole tree's counts of ``router``'s layer."""
