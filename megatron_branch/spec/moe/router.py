@@ -163,7 +163,11 @@ class BranchTopKRouter(TopKRouter):
             return tokens.sums.per_token(counts.rollouts.to(device)) * scale
 
         if self._pending(tokens):
-            aux = self._stats.later(self, "seq_aux_loss", scores_for_aux_loss, weights)
+            # logged at the finish from each rollout's share (sum_t x_t sum_{r ∋ t} F_r = sum_r F_r sum_{t ∈ r} x_t):
+            # [R, E] kept per forward instead of the [n, E] scores
+            logged = (tokens.sums.per_rollout(scores_for_aux_loss.detach()).to(scores_for_aux_loss.dtype),
+                      lambda c: c.rollouts * scale)
+            aux = self._stats.later(self, "seq_aux_loss", scores_for_aux_loss, weights, logged=logged)
         else:
             counts = LayerCounts(None, self._rollout_counts(tokens, routing_map))  # [R, E]
             aux = (scores_for_aux_loss * weights(counts).to(scores_for_aux_loss.dtype)).sum()
@@ -190,8 +194,7 @@ class BranchTopKRouter(TopKRouter):
         else:
             counts = self._expert_counts(tokens, routing_map, dp=True)  # [E] over TP x CP x DP
             if self._first_global_forward(tokens):
-                self.global_tokens_per_expert += counts.to(self.global_tokens_per_expert.dtype)
-                self.ga_steps += 1
+                self.add_global_counts(counts)
             aux = (share * weights(counts).to(share.dtype)).sum()
         return self._attach(probs, "global_aux_loss", aux, self._valid(tokens))
 
@@ -206,6 +209,12 @@ class BranchTopKRouter(TopKRouter):
         name = "load_balancing_loss" if kind == "aux_loss" else "seq_load_balancing_loss"
         return self.attach_and_log_load_balancing_loss(probs, coeff, aux, name, self.tp_cp_group,
                                                        valid_token_count=valid)
+
+    def add_global_counts(self, counts: Tensor) -> None:
+        """Add one micro-batch's ``[E]`` counts (over TP x CP x DP) to the global aux loss's
+        running average, as Megatron's router does once per forward."""
+        self.global_tokens_per_expert += counts.to(self.global_tokens_per_expert.dtype)
+        self.ga_steps += 1
 
     def log_deferred(self, kind: str, aux: Tensor) -> None:
         """Log the value of a deferred aux loss (:meth:`RoutingStatistics.later`) once its

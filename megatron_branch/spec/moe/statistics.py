@@ -11,7 +11,7 @@ whose forwards each hold only part of the tree.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Sequence, Set
+from typing import Callable, Dict, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -145,7 +145,7 @@ class LayerCounts:
     """One MoE layer's aux top-k counts over the naive batch."""
 
     experts: Tensor  # [E] aux top-k counts, weighted, summed over TP x CP
-    rollouts: Tensor  # [R, E] the same per rollout
+    rollouts: Optional[Tensor]  # [R, E] the same per rollout (None: no seq aux loss reads them)
     experts_dp: Optional[Tensor] = None  # [E] also summed over DP (global aux loss)
 
 
@@ -205,15 +205,19 @@ class RoutingStatistics:
             entry = self.layers.get(id(router))
             if entry is None:
                 num = router.config.num_moe_experts
+                per_rollout = router.get_aux_loss_coeff("seq_aux_loss") > 0
                 entry = self.layers[id(router)] = LayerCounts(
-                    rmap.new_zeros(num), rmap.new_zeros(self.tree.num_rollouts, num))
+                    rmap.new_zeros(num), rmap.new_zeros(self.tree.num_rollouts, num) if per_rollout else None)
             entry.experts += (rmap * tokens.weights.double()[:, None]).sum(0)
-            entry.rollouts += tokens.sums.per_rollout(rmap).to(entry.rollouts.device)
+            if entry.rollouts is not None:
+                entry.rollouts += tokens.sums.per_rollout(rmap).to(entry.rollouts.device)
 
-    def later(self, router, kind: str, x: Tensor, weights_of: Callable[[LayerCounts], Tensor]) -> Tensor:
+    def later(self, router, kind: str, x: Tensor, weights_of: Callable[[LayerCounts], Tensor],
+              logged: Optional[Tuple[Tensor, Callable[[LayerCounts], Tensor]]] = None) -> Tensor:
         """``sum(x * weights_of(counts))`` of ``router``'s layer, deferred (``in_step``):
-        differentiable in ``x``; its value is logged as ``kind`` at :meth:`finish`."""
-        self._deferred.setdefault((router, kind), []).append((x.detach(), weights_of))
+        differentiable in ``x``; its value is logged as ``kind`` at :meth:`finish`, computed
+        from ``logged = (y, w)`` as ``sum(y * w(counts))`` where given (a smaller equal form)."""
+        self._deferred.setdefault((router, kind), []).append(logged or (x.detach(), weights_of))
         return LateCounts.apply(x, lambda: weights_of(self.counts(router)))
 
     def finish(self, routers: Sequence) -> None:
@@ -230,15 +234,14 @@ class RoutingStatistics:
             if router.get_aux_loss_coeff("global_aux_loss") > 0:
                 entry.experts_dp = all_reduce(entry.experts.clone(), router.tp_dp_cp_group)
             all_reduce(entry.experts, router.tp_cp_group)
-            all_reduce(entry.rollouts, router.tp_cp_group)
+            if entry.rollouts is not None:
+                all_reduce(entry.rollouts, router.tp_cp_group)
         self._finished = True
         if not self.in_step:
             return
         for router in routers:
             if router.get_aux_loss_coeff("global_aux_loss") > 0 and self.first_global_forward(router):
-                counts = self.layers[id(router)].experts_dp
-                router.global_tokens_per_expert += counts.to(router.global_tokens_per_expert.dtype)
-                router.ga_steps += 1
+                router.add_global_counts(self.layers[id(router)].experts_dp)
         for (router, kind), parts in self._deferred.items():
             counts = self.layers[id(router)]
             router.log_deferred(kind, sum((x * w(counts).to(x.dtype)).sum() for x, w in parts))
