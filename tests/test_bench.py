@@ -314,7 +314,7 @@ def test_keep_freed_memory_stops_refaulting_large_tensors():
     # In a fresh process (the setting lasts for the process): glibc maps a 64 MiB block anew on
     # every allocation (16384 pages faulted again), and after keep_freed_memory reuses it.
     # Up to three fresh processes: one CI run in many saw a process re-fault the block even
-    # after the setting (16384 pages in all three calls; not reproduced in 10 runs
+    # after the setting (16384 pages in all three calls; not reproduced in 30 runs
     # since), so a single process's layout is not taken as the verdict. The test still fails
     # if the setting never stops the re-faulting.
     outputs = []
