@@ -84,6 +84,32 @@ def test_cascade_matches_dense_forward_and_backward(kernel, q_block, k_block, he
         assert (g - r).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("kernel", ["flash_cpu", "math"])
+@pytest.mark.parametrize("q_block, k_block", [(None, None), (7, 5), (1000, 1000), (3, None)])
+def test_cascade_with_cached_path_matches_dense_forward_and_backward(kernel, q_block, k_block):
+    """Streaming replay's prefix piece (every query sees every cached key): as one tile
+    (the kernel's result as is) and tiled (merged by log-sum-exp), against float64."""
+    tree = _tree(4)
+    U, P, h, hk, d = tree.unique_positions, 9, 4, 2, 16
+    q, k, v = _qkv(U, h, hk, d, seed=1)
+    pk, pv = (x[:P].detach().clone().requires_grad_() for x in _qkv(P, hk, hk, d, seed=2)[1:])
+    scale = d**-0.5
+    # reference: the path's keys in front of the unit's, visible to every query
+    keys = torch.cat([pk, k]).repeat_interleave(h // hk, 1).double()
+    values = torch.cat([pv, v]).repeat_interleave(h // hk, 1).double()
+    visible = torch.cat([torch.ones(U, P, dtype=torch.bool), tree.visibility_mask()], dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.double(), keys) * scale
+    ref = torch.einsum("hqk,khd->qhd", s.masked_fill(~visible, float("-inf")).softmax(-1), values)
+    grad_out = torch.randn(ref.shape, dtype=torch.float64)
+    ref_grads = torch.autograd.grad(ref, (q, k, v, pk, pv), grad_out)
+    out = cascade_attention(q, k, v, plan_pieces(tree.segments, q_block, k_block), scale, kernel,
+                            prefix=(pk, pv), q_block=q_block, k_block=k_block)
+    grads = torch.autograd.grad(out, (q, k, v, pk, pv), grad_out.float())
+    assert (out.double() - ref).abs().max() < 1e-5
+    for g, r in zip(grads, ref_grads):
+        assert (g.double() - r).abs().max() < 1e-5
+
+
 def test_cascade_is_not_trivially_equal_to_causal_attention():
     # Guard: the tree mask matters, so packed causal attention must differ.
     tree = _tree(2)

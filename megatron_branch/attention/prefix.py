@@ -33,6 +33,11 @@ def blocks(lo: int, hi: int, block: Optional[int]):
     return [(s, min(s + step, hi)) for s in range(lo, hi, step)]
 
 
+def _one_tile(n: int, keys: int, q_block: Optional[int], k_block: Optional[int]) -> bool:
+    """The prefix piece is a single ``q_block`` x ``k_block`` tile over a non-empty path."""
+    return n > 0 and keys > 0 and (q_block is None or n <= q_block) and (k_block is None or keys <= k_block)
+
+
 def fold(x: Tensor, groups: int) -> Tensor:
     """GQA without repeating K/V: ``[n, hk * rep, d] -> [rep * n, hk, d]`` (query heads of a
     KV group become extra query rows; exact for unmasked attention)."""
@@ -76,9 +81,13 @@ def local_forward(q: Tensor, pk: Tensor, pv: Tensor, scale: float, fwd, q_block,
     """``(out [n, h, d] float32, lse [h, n])`` of ``q`` on the path rows held here
     (``lse = -inf`` where there are none)."""
     n, h, _ = q.shape
+    groups = pk.shape[1]
+    if _one_tile(n, pk.shape[0], q_block, k_block):
+        # the usual case: one kernel call, nothing to merge (a small unit's fixed cost)
+        o, l = fwd(fold(q, groups), pk, pv, False, scale)
+        return unfold_out(o, n).float(), unfold_lse(l, n).float()
     out = torch.zeros(n, h, pv.shape[-1], dtype=torch.float32, device=q.device)
     lse = torch.full((h, n), float("-inf"), dtype=torch.float32, device=q.device)
-    groups = pk.shape[1]
     for qs, qe in blocks(0, n, q_block) if pk.shape[0] else []:
         qf = fold(q[qs:qe], groups)
         for ks, ke in blocks(0, pk.shape[0], k_block):
@@ -91,6 +100,10 @@ def local_backward(dout, q, out, lse, pk, pv, scale, bwd, q_block, k_block) -> T
     """``(dq [n, h, d], dk [P, hk, d], dv)`` float32 given the *merged* ``out``/``lse``."""
     n = q.shape[0]
     groups = pk.shape[1]
+    if _one_tile(n, pk.shape[0], q_block, k_block):
+        gq, gk, gv = bwd(fold(dout, groups), fold(q, groups), pk, pv, fold(out, groups),
+                         fold_lse(lse, groups), False, scale)
+        return unfold_out(gq, n).float(), gk.float(), gv.float()
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(pk.shape, dtype=torch.float32, device=q.device)
     dv = torch.zeros(pv.shape, dtype=torch.float32, device=q.device)
