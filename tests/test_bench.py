@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from megatron_branch.commands.bench.run import BenchConfig, Shape, format_table, plot, run_bench
+from megatron_branch.commands.bench.run import BenchConfig, Shape, format_table, plot, run_bench, select_shapes
 from megatron_branch.flops import ModelShape, causal_pairs, step_flops
 
 TREE_METHODS = {"packed", "prompt_once", "dense_tree", "ours", "ours_stream", "ours_stream_small"}
@@ -107,6 +107,18 @@ def test_bench_table_bad_input_is_one_line(content, message, tmp_path):
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0] and "--table" in lines[0], proc.stderr
+
+
+def test_select_shapes_whole_name_selects_itself_alone():
+    shapes = BenchConfig.full().shapes
+    names = lambda wanted: [s.name for s in select_shapes(shapes, wanted)]  # noqa: E731
+    assert names(["G=16 p/r=1"]) == ["G=16 p/r=1"]  # not also p/r=16 and the MoE / GDN rows
+    assert names(["g=16 P/R=16"]) == ["G=16 p/r=16"]
+    assert names(["G=16 p/r"]) == ["G=16 p/r=16", "G=16 p/r=1", "G=16 p/r=4", "MoE 8x top-2, G=16 p/r=16",
+                                   "GDN hybrid, G=16 p/r=16"]
+    assert names(["agentic", "G=4 "]) == ["G=4 p/r=16", "agentic forest 4x128, 3 turns x16, 4-way"]
+    with pytest.raises(ValueError, match=r"\['nope'\] match no shape"):
+        select_shapes(shapes, ["G=4 ", "nope"])
 
 
 def test_quick_config_shapes():

@@ -448,12 +448,21 @@ def plot(report: dict, path: str) -> None:
 
 
 def select_shapes(shapes: List[Shape], wanted: List[str]) -> List[Shape]:
-    """The shapes whose name contains one of ``wanted`` (case-insensitive), in bench order."""
-    picked = [s for s in shapes if any(w.lower() in s.name.lower() for w in wanted)]
-    missing = [w for w in wanted if not any(w.lower() in s.name.lower() for s in shapes)]
+    """The shapes ``wanted`` names, in bench order (case-insensitive).
+
+    A word that is a shape's whole name selects that shape alone ("G=16 p/r=1" is not also "G=16 p/r=16");
+    any other word selects every shape whose name contains it ("G=16 p/r", "agentic").
+    """
+    names = {s.name.lower() for s in shapes}
+
+    def matches(word: str, shape: Shape) -> bool:
+        word = word.lower()
+        return shape.name.lower() == word if word in names else word in shape.name.lower()
+
+    missing = [w for w in wanted if not any(matches(w, s) for s in shapes)]
     if missing:
         raise ValueError(f"--shapes: {missing} match no shape; the shapes are {[s.name for s in shapes]}")
-    return picked
+    return [s for s in shapes if any(matches(w, s) for w in wanted)]
 
 
 def main(args) -> int:
@@ -513,7 +522,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=None,
                         help="the prefix_grouper comparison on a Hugging Face Llama (default: on)")
     parser.add_argument("--shapes", nargs="+", default=None, metavar="NAME",
-                        help="run only the shapes whose name contains one of these (e.g. 'G=16 p/r=16' agentic 4096)")
+                        help="run only these shapes: a shape's whole name selects it alone, any other word every shape "
+                             "whose name contains it (e.g. 'G=16 p/r=1' agentic 4096)")
     parser.add_argument("--table", nargs="+", default=None, metavar="JSON",
                         help="print the markdown tables of these bench.json files and exit (runs nothing): one per "
                              "run and, for several, ours' %% of ideal and streaming's %% of one pass side by side")
