@@ -59,7 +59,13 @@ class CascadeAttentionFunction(torch.autograd.Function):
             outs.append(o)
             lses.append(lse_p.transpose(0, 1))
             dests.append(torch.arange(n, device=q.device))
-        out, lse = _merge(n, outs, lses, dests)
+        rows = _rows_once(n, batches, outs, lses, dests)
+        if rows is None:
+            out, lse = _merge(n, outs, lses, dests)
+        elif prefix:
+            out, lse = _merge_two(*rows, outs[-1], lses[-1])
+        else:
+            out, lse = rows[0], rows[1].transpose(0, 1)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         # The path K/V are rows of the prefix cache, which later stems write beyond them;
@@ -140,6 +146,45 @@ def _out_rows(x: Tensor, b: PieceBatch) -> Tensor:
     if b.view is not None:
         return _rows(x, b, True)
     return x.index_select(0, b.dest).view(*b.q_index.shape, *x.shape[1:])
+
+
+def _rows_once(n: int, batches: Sequence[PieceBatch], outs, lses, dests) -> Optional[Tuple[Tensor, Tensor]]:
+    """``(out [n, h, d] float32, lse [n, h])`` in row order when the batches cover every
+    query row exactly once, else ``None`` (the general log-sum-exp merge is needed).
+
+    That is the case when every batch is causal: a causal piece is a segment's own square,
+    segments are disjoint, and every row lies in one; rectangles (descendants reading an
+    ancestor's keys, or a tiled square) cover rows a second time. Streaming's leaf chunks
+    and chains without branches are such units: their pieces need no merge, only the
+    path's prefix piece (:func:`_merge_two`). The row count is checked, not assumed.
+    """
+    if not batches or not all(b.causal and b.num_valid >= 0 for b in batches):
+        return None
+    if sum(b.num_valid for b in batches) != n:
+        return None
+    pieces = len(batches)
+    o, lse = outs[:pieces], lses[:pieces]
+    only = batches[0]
+    if pieces == 1 and only.view is not None and only.view[0] == 0 and only.view[1] == only.q_index.shape[1]:
+        return o[0].float(), lse[0].float()  # rows 0..n-1 in order already
+    h, d = o[0].shape[1], o[0].shape[2]
+    dest = torch.cat(dests[:pieces])
+    # padded entries all write to the spare row n, which is dropped
+    out = torch.empty((n + 1, h, d), dtype=torch.float32, device=o[0].device)
+    out.index_copy_(0, dest, torch.cat([x.float() for x in o]))
+    lse_rows = torch.empty((n + 1, h), dtype=torch.float32, device=o[0].device)
+    lse_rows.index_copy_(0, dest, torch.cat([x.float() for x in lse]))
+    return out[:n], lse_rows[:n]
+
+
+def _merge_two(out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> Tuple[Tensor, Tensor]:
+    """Two ``(out [n, h, d], lse [n, h])`` covering every row once each (the unit's own pieces,
+    whose lse is finite: every row sees its own key, and the prefix piece), merged:
+    ``(out [n, h, d] float32, lse [h, n])``."""
+    total = torch.logaddexp(lse, l)
+    merged = out.mul(torch.exp(lse - total).unsqueeze(-1))
+    merged.addcmul_(o.float(), torch.exp(l - total).unsqueeze(-1))
+    return merged, total.transpose(0, 1)
 
 
 def _merge(n: int, outs, lses, dests) -> Tuple[Tensor, Tensor]:

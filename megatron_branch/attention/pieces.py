@@ -95,6 +95,7 @@ class PieceBatch:
             ``[q_lo + b * q_step, + nq)`` and keys ``[k_lo + b * k_step, + nk)`` with no
             padding and no row shared by two entries: the batch is then a strided view of
             the packed tensors (no gather, and its gradients are added in place).
+        num_valid: the real queries (``valid.sum()``, counted on the host when planned).
     """
 
     causal: bool
@@ -103,11 +104,12 @@ class PieceBatch:
     valid: torch.Tensor
     dest: torch.Tensor
     view: Optional[Tuple[int, int, int, int]] = None
+    num_valid: int = -1
 
     def to(self, device) -> "PieceBatch":
         """The same batch with its index tensors on ``device``."""
         return PieceBatch(self.causal, self.q_index.to(device), self.k_index.to(device), self.valid.to(device),
-                          self.dest.to(device), self.view)
+                          self.dest.to(device), self.view, self.num_valid)
 
 
 MAX_BATCH_ROWS = 1 << 16  # most query rows gathered for one batched call
@@ -188,7 +190,8 @@ def _batch(members: Sequence[AttentionPiece], causal: bool, nq_b: int, nk_b: int
         q_step, k_step = _steps(q_los, nq_b), _steps(k_los, nk_b)
         if q_step is not None and k_step is not None:
             view = (q_los[0], q_step, k_los[0], k_step)
-    return PieceBatch(causal, _host(q_index), _host(k_index), torch.from_numpy(valid), _host(dest), view)
+    return PieceBatch(causal, _host(q_index), _host(k_index), torch.from_numpy(valid), _host(dest), view,
+                      int(sum(q_lens)))
 
 
 def _host(index: np.ndarray) -> torch.Tensor:
