@@ -85,30 +85,16 @@ class CascadeAttentionFunction(torch.autograd.Function):
         ve = v.repeat_interleave(rep, dim=1) if rep > 1 else v
         dout = dout.contiguous()
         n = q.shape[0]
-        # One spare row at n for padded entries: zero dO (and zero out, infinite lse, so
-        # P = 0): a padded query moves no gradient anywhere.
-        spare = lambda x, fill: torch.cat([x, x.new_full((1, *x.shape[1:]), fill)])  # noqa: E731
-        padded = any(b.view is None for b in ctx.batches)
-        dout_x, out_x = (spare(dout, 0.0), spare(out, 0.0)) if padded else (dout, out)
         lse_rows = lse.transpose(0, 1)  # [n, h]
-        lse_x = spare(lse_rows, float("inf")) if padded else lse_rows
-        dq = torch.zeros((n + 1, *q.shape[1:]), dtype=torch.float32, device=q.device)
-        dk = torch.zeros(ke.shape, dtype=torch.float32, device=q.device)
-        dv = torch.zeros(ve.shape, dtype=torch.float32, device=q.device)
-        for b in ctx.batches:
-            lb = _out_rows(lse_x, b).transpose(1, 2).contiguous()  # [B, h, nq]
-            gq, gk, gv = bwd(_out_rows(dout_x, b), _rows(q, b, True), _rows(ke, b, False), _rows(ve, b, False),
-                             _out_rows(out_x, b), lb, b.causal, ctx.scale)
-            if b.view is not None:  # disjoint strided rows: add in place
-                _rows(dq, b, True).add_(gq)
-                _rows(dk, b, False).add_(gk)
-                _rows(dv, b, False).add_(gv)
-                continue
-            dq.index_add_(0, b.dest, gq.reshape(-1, *gq.shape[2:]).float())
-            k_rows = b.k_index.reshape(-1)
-            dk.index_add_(0, k_rows, gk.reshape(-1, *gk.shape[2:]).float())
-            dv.index_add_(0, k_rows, gv.reshape(-1, *gv.shape[2:]).float())
-        dq = dq[:n]
+        if len(ctx.batches) == 1 and _in_order(ctx.batches[0], n, ke.shape[0]):
+            # one call over every row and key, in order: its gradients are the whole ones
+            b = ctx.batches[0]
+            lb = _rows(lse_rows, b, True).transpose(1, 2).contiguous()  # [1, h, n]
+            gq, gk, gv = bwd(_rows(dout, b, True), _rows(q, b, True), _rows(ke, b, False), _rows(ve, b, False),
+                             _rows(out, b, True), lb, b.causal, ctx.scale)
+            dq, dk, dv = gq.reshape(q.shape).float(), gk.reshape(ke.shape).float(), gv.reshape(ve.shape).float()
+        else:
+            dq, dk, dv = _batch_grads(ctx.batches, bwd, dout, q, ke, ve, out, lse_rows, ctx.scale)
         if rep > 1:
             # [n, h, d] -> [n, hk, rep, d] -> sum over the repeated heads
             dk = dk.view(dk.shape[0], -1, rep, dk.shape[-1]).sum(2)
@@ -121,6 +107,34 @@ class CascadeAttentionFunction(torch.autograd.Function):
             dq += gq
             prefix_grads = [gk.to(pk.dtype), gv.to(pv.dtype)]
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, *prefix_grads)
+
+
+def _batch_grads(batches, bwd, dout, q, ke, ve, out, lse_rows, scale) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(dq [n, h, d], dk, dv)`` float32: every batch's backward, added into its rows."""
+    n = q.shape[0]
+    # One spare row at n for padded entries: zero dO (and zero out, infinite lse, so
+    # P = 0): a padded query moves no gradient anywhere.
+    spare = lambda x, fill: torch.cat([x, x.new_full((1, *x.shape[1:]), fill)])  # noqa: E731
+    padded = any(b.view is None for b in batches)
+    dout_x, out_x = (spare(dout, 0.0), spare(out, 0.0)) if padded else (dout, out)
+    lse_x = spare(lse_rows, float("inf")) if padded else lse_rows
+    dq = torch.zeros((n + 1, *q.shape[1:]), dtype=torch.float32, device=q.device)
+    dk = torch.zeros(ke.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(ve.shape, dtype=torch.float32, device=q.device)
+    for b in batches:
+        lb = _out_rows(lse_x, b).transpose(1, 2).contiguous()  # [B, h, nq]
+        gq, gk, gv = bwd(_out_rows(dout_x, b), _rows(q, b, True), _rows(ke, b, False), _rows(ve, b, False),
+                         _out_rows(out_x, b), lb, b.causal, scale)
+        if b.view is not None:  # disjoint strided rows: add in place
+            _rows(dq, b, True).add_(gq)
+            _rows(dk, b, False).add_(gk)
+            _rows(dv, b, False).add_(gv)
+            continue
+        dq.index_add_(0, b.dest, gq.reshape(-1, *gq.shape[2:]).float())
+        k_rows = b.k_index.reshape(-1)
+        dk.index_add_(0, k_rows, gk.reshape(-1, *gk.shape[2:]).float())
+        dv.index_add_(0, k_rows, gv.reshape(-1, *gv.shape[2:]).float())
+    return dq[:n], dk, dv
 
 
 def _strided(x: Tensor, lo: int, step: int, count: int, width: int) -> Tensor:
@@ -148,6 +162,18 @@ def _out_rows(x: Tensor, b: PieceBatch) -> Tensor:
     return x.index_select(0, b.dest).view(*b.q_index.shape, *x.shape[1:])
 
 
+def _in_order(b: PieceBatch, n: int, num_keys: Optional[int] = None) -> bool:
+    """The batch's entries are exactly the query rows ``0..n-1`` in order (and, given
+    ``num_keys``, the key rows ``0..num_keys-1``): a view of the whole tensors."""
+    if b.view is None or b.num_valid != n:
+        return False
+    q_lo, q_step, k_lo, k_step = b.view
+    in_order = q_lo == 0 and q_step == b.q_index.shape[1]
+    if num_keys is not None:
+        in_order = in_order and k_lo == 0 and k_step == b.k_index.shape[1] and b.k_index.numel() == num_keys
+    return in_order
+
+
 def _rows_once(n: int, batches: Sequence[PieceBatch], outs, lses, dests) -> Optional[Tuple[Tensor, Tensor]]:
     """``(out [n, h, d] float32, lse [n, h])`` in row order when the batches cover every
     query row exactly once, else ``None`` (the general log-sum-exp merge is needed).
@@ -164,8 +190,7 @@ def _rows_once(n: int, batches: Sequence[PieceBatch], outs, lses, dests) -> Opti
         return None
     pieces = len(batches)
     o, lse = outs[:pieces], lses[:pieces]
-    only = batches[0]
-    if pieces == 1 and only.view is not None and only.view[0] == 0 and only.view[1] == only.q_index.shape[1]:
+    if pieces == 1 and _in_order(batches[0], n):
         return o[0].float(), lse[0].float()  # rows 0..n-1 in order already
     h, d = o[0].shape[1], o[0].shape[2]
     dest = torch.cat(dests[:pieces])

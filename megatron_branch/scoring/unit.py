@@ -126,6 +126,7 @@ class UnitRows:
             ``[m, V / tp]`` logits (and scatter-add their gradient) for the few extra
             output-layer rows this costs.
         inverse: ``[m]`` row in ``rows`` of each scored token (a permutation).
+        order: ``[m]`` the scored token of each row in ``rows`` (the inverse permutation).
         targets: ``[m]`` token ids of the scored tokens.
     """
 
@@ -137,9 +138,9 @@ class UnitRows:
         if scored is not None:
             mine = mine[scored[mine]]
         self.mine = mine
-        self.rows, order = torch.sort(tree.parents[mine] - start - lo, stable=True)
-        self.inverse = torch.empty_like(order)
-        self.inverse[order] = torch.arange(order.numel(), device=order.device)
+        self.rows, self.order = torch.sort(tree.parents[mine] - start - lo, stable=True)
+        self.inverse = torch.empty_like(self.order)
+        self.inverse[self.order] = torch.arange(self.order.numel(), device=self.order.device)
         self.targets = tree.tokens[mine]
 
 
@@ -171,8 +172,10 @@ def score_unit(
     """
     sel = unit_rows or UnitRows(tree, start, end, params, children, scored)
     picked = sel.inverse if unit_rows is not None else sel.rows[sel.inverse]
+    # logits of the selected rows hold one row per scored token
+    row_children = sel.order.to(logits.device) if unit_rows is not None else None
     lp, ent = child_logprobs(logits, picked.to(logits.device), sel.targets.to(logits.device), entropy, temperatures,
-                             consume=consume_logits)
+                             consume=consume_logits, row_children=row_children)
     mine = sel.mine
     if params.cp is None:
         return mine, lp, ent

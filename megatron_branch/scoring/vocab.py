@@ -53,7 +53,7 @@ def _first_children(rows: Tensor, n: int) -> Tuple[Tensor, Tensor, Tensor]:
 
 def child_logprobs(
     logits: Tensor, rows: Tensor, targets: Tensor, entropy: bool = False, temperatures: Optional[Tensor] = None,
-    consume: bool = False,
+    consume: bool = False, row_children: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """``log_softmax(logits[rows] / T)[targets]`` (vocab-parallel) for each temperature, and
     optionally the entropy of ``softmax(logits[rows] / T)``.
@@ -72,11 +72,16 @@ def child_logprobs(
         consume: this is the caller's last read of ``logits``, so Megatron's in-place
             cross-entropy may overwrite them (as Megatron's own loss does with the model's
             logits) instead of a copy.
+        row_children: ``[n]`` the child of each logits row, when every row has exactly one
+            (``rows`` is then a permutation and this its inverse: no sort to find them).
 
     Returns:
         ``(lp [m, k], ent [m, k] or None)``, float32: column ``j`` at ``temperatures[j]``.
     """
-    first, rest, order = _first_children(rows, logits.shape[0])
+    if row_children is not None:
+        first, rest, order = row_children, rows[:0], rows
+    else:
+        first, rest, order = _first_children(rows, logits.shape[0])
     row_targets = torch.where(first >= 0, targets[first.clamp(min=0)], torch.zeros_like(first))
     parts = [(logits, row_targets)]
     if rest.numel():  # (an empty gather would still give the logits a full-size zero gradient)
