@@ -29,7 +29,7 @@ from megatron_branch.attention.pieces import (  # noqa: F401 - re-exported
     plan_pieces,
     tile_rect,
 )
-from megatron_branch.attention.prefix import prefix_backward, prefix_forward
+from megatron_branch.attention.prefix import merge, prefix_backward, prefix_forward
 
 
 class CascadeAttentionFunction(torch.autograd.Function):
@@ -203,13 +203,13 @@ def _rows_once(n: int, batches: Sequence[PieceBatch], outs, lses, dests) -> Opti
 
 
 def _merge_two(out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> Tuple[Tensor, Tensor]:
-    """Two ``(out [n, h, d], lse [n, h])`` covering every row once each (the unit's own pieces,
-    whose lse is finite: every row sees its own key, and the prefix piece), merged:
+    """The unit's own pieces ``(out [n, h, d] float32, lse [n, h])``, covering every row once,
+    and the prefix piece ``(o, l)`` of the same shapes, merged by the prefix's own
+    :func:`~megatron_branch.attention.prefix.merge` (into ``out``):
     ``(out [n, h, d] float32, lse [h, n])``."""
-    total = torch.logaddexp(lse, l)
-    merged = out.mul(torch.exp(lse - total).unsqueeze(-1))
-    merged.addcmul_(o.float(), torch.exp(l - total).unsqueeze(-1))
-    return merged, total.transpose(0, 1)
+    lse = lse.transpose(0, 1).contiguous()  # [h, n]
+    merge(out, lse, 0, out.shape[0], o, l.transpose(0, 1))
+    return out, lse
 
 
 def _merge(n: int, outs, lses, dests) -> Tuple[Tensor, Tensor]:
