@@ -63,7 +63,15 @@ def test_tiny_bench_report(tmp_path):
             assert r["chunk_tokens"] == budget and r["chunks"] >= 1, r
             _check_spread(r["fraction_of_one_pass"])
             _check_spread(r["seconds_per_chunk"])
+            # the fixed-cost bound against one pass: at most one pass's speed, 100% with one unit
+            _check_spread(r["one_pass_bound"]), _check_spread(r["fraction_of_one_pass_bound"])
+            assert 0 < r["one_pass_bound"]["max"] <= 1.0 + 1e-12, r
         units = {n: rows[n]["chunks"] + rows[n]["stems"] for n in ("ours_stream", "ours_stream_small")}
+        # the stock stack's cost per pass, timed in every repeat, and ours against the speed-up it allows
+        _check_spread(shape["fixed_cost_seconds"])
+        assert 0 < shape["fixed_cost_seconds"]["max"] < rows[shape["naive_reference"]]["seconds"]["max"]
+        _check_spread(rows["ours"]["fixed_cost_bound"]), _check_spread(rows["ours"]["fraction_of_bound"])
+        assert rows["ours"]["fixed_cost_bound"]["min"] > 1
         assert units["ours_stream_small"] > units["ours_stream"], units  # stems may also run whole subtrees
     assert next(s for s in report["shapes"] if s["shape"] == "agentic")["segments"] >= 2 * (1 + 3 + 9)  # random tokens: siblings may share a first token
     prof = report["profile"][0]
@@ -92,7 +100,31 @@ def test_tiny_bench_report(tmp_path):
     ours = next(r for r in report["shapes"][0]["methods"] if r["method"] == "ours")
     assert f"**{ours['speedup']['median']:.2f}x**" in proc.stdout  # the run's own number
     assert "hidden 64 (4 heads / 2 KV), 1 thread" in proc.stdout and "% of one pass" in proc.stdout
-    assert proc.stdout.count("| G=4 |") == 3  # two run tables and the comparison
+    assert proc.stdout.count("| G=4 |") == 4  # two run tables, the comparison and the fixed-cost bounds
+    assert "% of bound" in proc.stdout and "fixed cost of a pass through the stack" in table
+
+
+def test_fixed_cost_bounds_by_hand():
+    from megatron_branch.commands.bench.fixed_cost import add_bounds, one_pass_bound, speedup_bound
+
+    # naive 10 s in 2 micro-batches of 1 s fixed cost each; ideal 4x: 1 + 8 / 4 = 3 s at best
+    assert speedup_bound(10.0, 1.0, 2, 4.0) == pytest.approx(10 / 3)
+    assert speedup_bound(10.0, 0.0, 2, 4.0) == pytest.approx(4.0)  # no fixed cost: the ideal ratio
+    # fewer passes than naive's micro-batches: the bound can exceed the ideal ratio
+    assert speedup_bound(16.0, 0.5, 16, 4.0) == pytest.approx(16 / (0.5 + 8 / 4))
+    assert one_pass_bound(1.0, 0.1, 1) == 1.0 and one_pass_bound(1.0, 0.1, 3) == pytest.approx(1 / 1.2)
+    with pytest.raises(ValueError, match="ideal"):
+        speedup_bound(1.0, 0.1, 1, 0.0)
+    rows = [{"method": "naive_mb2"}, {"method": "ours"}, {"method": "ours_stream", "chunks": 2, "stems": 1}]
+    times = {"naive_mb2": [10.0, 12.0], "ours": [4.0, 3.0], "ours_stream": [5.0, 3.2]}
+    add_bounds(rows, "naive_mb2", 4, 4.0, times, [1.0, 0.5])  # 4 rollouts in micro-batches of 2: k = 2
+    ours, stream = rows[1], rows[2]
+    b0, b1 = 10 / (1 + 8 / 4), 12 / (0.5 + 11 / 4)
+    assert ours["fixed_cost_bound"]["min"] == pytest.approx(min(b0, b1))
+    assert ours["fraction_of_bound"]["max"] == pytest.approx(max((10 / 4) / b0, (12 / 3) / b1))
+    assert stream["one_pass_bound"]["max"] == pytest.approx(max(4 / 6, 3 / 4))
+    assert stream["fraction_of_one_pass_bound"]["median"] == pytest.approx(((4 / 5) / (4 / 6) + (3 / 3.2) / (3 / 4)) / 2)
+    assert "fixed_cost_bound" not in rows[0]
 
 
 @pytest.mark.parametrize("content, message", [

@@ -40,6 +40,7 @@ import torch
 from megatron_branch import losses
 from megatron_branch._megatron import gdn_unavailable_reason
 from megatron_branch.commands.bench import allocator
+from megatron_branch.commands.bench.fixed_cost import add_bounds, fixed_cost_step, time_fixed_cost
 from megatron_branch.commands.bench.methods import prepare_methods
 from megatron_branch.commands.bench.peer import format_peer, run_peer
 from megatron_branch.commands.bench.profile import format_profile, profile_gap
@@ -233,6 +234,7 @@ def run_bench(cfg: BenchConfig, methods: Optional[List[str]] = None, echo=print)
 
 def _run_bench(cfg: BenchConfig, methods: Optional[List[str]], echo) -> dict:
     kinds: Dict[tuple, Dict[str, torch.nn.Module]] = {}
+    fixed_steps = {}  # per model kind: the stock step on a two-token rollout (fixed_cost.py)
     per_shape = 1 + cfg.repeats
     report = {"schema_version": SCHEMA_VERSION, "config": asdict(cfg), "torch_threads": torch.get_num_threads(),
               "torch_version": torch.__version__, "machine": _machine(), "device": "cpu", "shapes": []}
@@ -248,6 +250,7 @@ def _run_bench(cfg: BenchConfig, methods: Optional[List[str]], echo) -> dict:
             kind = (shape.moe, shape.hybrid)
             if kind not in kinds:
                 kinds[kind] = _models(cfg, *kind)
+                fixed_steps[kind] = fixed_cost_step(kinds[kind], cfg.vocab_size, _loss)
             models = kinds[kind]
             shape_m = _flop_shape(models["cascade"].config, cfg.vocab_size, models["cascade"])
             batch = shape.batch(cfg.vocab_size, cfg.seed)
@@ -257,6 +260,8 @@ def _run_bench(cfg: BenchConfig, methods: Optional[List[str]], echo) -> dict:
             # exactness, peak memory and warm-up in one untimed run
             ref = None
             diffs, memory = {}, {}
+            _zero(models)
+            fixed_steps[kind]()  # warm
             for p in runnable:
                 _zero(models)
                 with PeakMemory() as meter:
@@ -268,14 +273,16 @@ def _run_bench(cfg: BenchConfig, methods: Optional[List[str]], echo) -> dict:
                 diffs[p.name] = max(compare_grads(g, ref).values())
             bar.update(f"{shape.name}: exactness")
             times = {p.name: [] for p in runnable}
+            fixed = []
             for _ in range(cfg.repeats):
+                fixed.append(time_fixed_cost(fixed_steps[kind], lambda: _zero(models)))
                 for p in runnable:
                     _zero(models)
                     start = time.perf_counter()
                     p.step()
                     times[p.name].append(time.perf_counter() - start)
                 bar.update(f"{shape.name}: timing")
-            report["shapes"].append(_summarise(shape, batch, prepared, times, memory, diffs, shape_m))
+            report["shapes"].append(_summarise(shape, batch, prepared, times, memory, diffs, shape_m, fixed))
             prepared_by_shape[shape.name] = (models, batch, loss_fn, prepared, shape_m)
     report["seconds_main"] = time.perf_counter() - started
     if cfg.profile_shapes:
@@ -299,7 +306,7 @@ def _machine() -> dict:
     return {"cpus": os.cpu_count(), "load_average": list(load) if load else None}
 
 
-def _summarise(shape, batch, prepared, times, memory, diffs, shape_m) -> dict:
+def _summarise(shape, batch, prepared, times, memory, diffs, shape_m, fixed) -> dict:
     naive_ideal = step_flops(shape_m, sum(batch.lengths), sum(causal_pairs(n) for n in batch.lengths))
     ours = next(p for p in prepared if p.name == "ours")
     ideal = naive_ideal["total"] / step_flops(shape_m, ours.positions, ours.attention_pairs)["total"]
@@ -320,10 +327,12 @@ def _summarise(shape, batch, prepared, times, memory, diffs, shape_m) -> dict:
                 row["fraction_of_ideal"] = {k: v / ideal for k, v in row["speedup"].items()}
         rows.append(row)
     _streaming_costs(rows, prepared, times)
+    add_bounds(rows, best, len(batch.sequences), ideal, times, fixed)
     return {
         "shape": shape.name, "rollouts": len(batch.sequences), "segments": _segments(batch),
         "naive_positions": sum(batch.lengths), "unique_positions": ours.positions, "ideal_flop_ratio": ideal,
-        "naive_flops_unpadded": naive_ideal["total"], "naive_reference": best, "methods": rows,
+        "naive_flops_unpadded": naive_ideal["total"], "naive_reference": best,
+        "fixed_cost_seconds": spread(fixed), "methods": rows,
     }
 
 
@@ -375,12 +384,19 @@ def format_table(report: dict) -> str:
                 f"{r['peak_memory_bytes'] / 2**20:>9.1f}{r['max_rel_grad_diff']:>10.1e}"
             )
         for r in s["methods"]:
+            if "fraction_of_bound" in r:
+                lines.append(f"  fixed cost of a pass through the stack {1e3 * s['fixed_cost_seconds']['median']:.1f} ms: "
+                             f"{r['method']} at most {r['fixed_cost_bound']['median']:.2f}x with it, reaches "
+                             f"{100 * r['fraction_of_bound']['median']:.0f}% of that")
             if "fraction_of_one_pass" in r:
                 f, c = r["fraction_of_one_pass"], r["seconds_per_chunk"]
+                bound = (f"; at most {100 * r['one_pass_bound']['median']:.0f}% with the fixed cost per unit, "
+                         f"{100 * r['fraction_of_one_pass_bound']['median']:.0f}% of that"
+                         if "one_pass_bound" in r else "")
                 lines.append(f"  {r['method']}: budget {r['chunk_tokens']}, {r['chunks']} chunks + {r['stems']} stems; "
                              f"{100 * f['median']:.0f}% of one pass's speed "
                              f"[{100 * f['min']:.0f}-{100 * f['max']:.0f}], "
-                             f"{1e3 * c['median']:+.1f} ms per chunk")
+                             f"{1e3 * c['median']:+.1f} ms per chunk{bound}")
     for s in report.get("skipped_shapes", []):
         lines.append(f"\n{s['shape']}: skipped: {s['skipped']}")
     lines.append("\nkernels: " + "; ".join(f"{r['method']}: {r['kernel']}" for r in report["shapes"][0]["methods"]))

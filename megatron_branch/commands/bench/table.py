@@ -107,10 +107,47 @@ def comparison_table(reports: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def bound_table(reports: Sequence[dict]) -> str:
+    """Against the fixed-cost bounds (``fixed_cost.py``): the stack's cost per pass ``S``,
+    ours' fraction of the speed-up a method with the ideal work and ``S`` once could reach,
+    and streaming's of one pass with ``S`` per unit; a column per run that measured ``S``."""
+    reports = [r for r in reports if any("fixed_cost_seconds" in s for s in r["shapes"])]
+    if not reports:
+        return ""
+    labels = [config_label(r) for r in reports]
+    head = ("| shape | " + " | ".join(f"S ms; ours, % of bound; streaming, % of bound ({lab})" for lab in labels)
+            + " |")
+    lines = [head, "|---|" + "---|" * len(reports)]
+    names = []
+    for r in reports:
+        names += [s["shape"] for s in r["shapes"] if s["shape"] not in names]
+    for name in names:
+        cells = []
+        for r in reports:
+            s = next((s for s in r["shapes"] if s["shape"] == name), None)
+            rows = _rows(s) if s else {}
+            ours, stream = rows.get("ours", {}), rows.get("ours_stream", {})
+            if not s or "fixed_cost_seconds" not in s or "fraction_of_bound" not in ours:
+                cells.append("-")
+                continue
+            cell = (f"{1e3 * s['fixed_cost_seconds']['median']:.1f}; {100 * ours['fraction_of_bound']['median']:.0f}% "
+                    f"of {ours['fixed_cost_bound']['median']:.2f}x")
+            if "fraction_of_one_pass_bound" in stream:
+                cell += (f"; {100 * stream['fraction_of_one_pass_bound']['median']:.0f}% of "
+                         f"{100 * stream['one_pass_bound']['median']:.0f}%")
+            cells.append(cell)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def markdown(paths: Sequence[str]) -> str:
-    """Every run's table, then (for several runs) the comparison."""
+    """Every run's table, then (for several runs) the comparison, then the fixed-cost bounds
+    of the runs that measured them."""
     reports = load(paths)
     parts = [f"{path}:\n\n{run_table(r)}" for path, r in zip(paths, reports)]
     if len(reports) > 1:
         parts.append(comparison_table(reports))
+    bounds = bound_table(reports)
+    if bounds:
+        parts.append(bounds)
     return "\n\n".join(parts)
