@@ -18,7 +18,9 @@ peak memory (measured in the untimed first run, which also checks exactness) and
 relative gradient difference vs ``naive_mb1``. Only ratios are meaningful on a noisy
 machine; the presets run torch on one thread (``--threads``), and glibc keeps freed memory
 for reuse (``--allocator``, :mod:`megatron_branch.commands.bench.allocator`) so that no
-method's large tensors are page-faulted again every step.
+method's large tensors are page-faulted again every step. Every repeat also times the stock
+stack's fixed cost per pass (a naive step on one two-token rollout), and ours and streaming
+are reported against the speed-ups that cost allows (:mod:`megatron_branch.commands.bench.fixed_cost`).
 ``profile`` adds a torch.profiler breakdown of where ours' gap to the ideal ratio goes
 (:mod:`megatron_branch.commands.bench.profile`); ``peer`` compares with the real
 ``prefix_grouper`` package on a Hugging Face Llama (:mod:`megatron_branch.commands.bench.peer`).
