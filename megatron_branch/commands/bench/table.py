@@ -47,6 +47,14 @@ def _rows(shape: dict) -> dict:
     return {r["method"]: r for r in shape["methods"]}
 
 
+def _shape_names(reports: Sequence[dict]) -> List[str]:
+    """Every shape of the runs, in the order first met."""
+    names: List[str] = []
+    for r in reports:
+        names += [s["shape"] for s in r["shapes"] if s["shape"] not in names]
+    return names
+
+
 def _speed(row: dict) -> str:
     if not row or "speedup" not in row:
         return "skipped"
@@ -86,9 +94,7 @@ def comparison_table(reports: Sequence[dict]) -> str:
     head = "| shape | " + " | ".join(f"ours, % of ideal ({lab})" for lab in labels) + " | " + " | ".join(
         f"streaming, % of one pass ({lab})" for lab in labels) + " |"
     lines = [head, "|---|" + "---|" * (2 * len(reports))]
-    names = []
-    for r in reports:
-        names += [s["shape"] for s in r["shapes"] if s["shape"] not in names]
+    names = _shape_names(reports)
     for name in names:
         cells_ours, cells_stream = [], []
         for r in reports:
@@ -118,9 +124,7 @@ def bound_table(reports: Sequence[dict]) -> str:
     head = ("| shape | " + " | ".join(f"S ms; ours, % of bound; streaming, % of bound ({lab})" for lab in labels)
             + " |")
     lines = [head, "|---|" + "---|" * len(reports)]
-    names = []
-    for r in reports:
-        names += [s["shape"] for s in r["shapes"] if s["shape"] not in names]
+    names = _shape_names(reports)
     for name in names:
         cells = []
         for r in reports:
