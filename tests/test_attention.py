@@ -68,16 +68,20 @@ def test_repeated_kv_matches_dense(heads, kv_heads):
 
 
 @pytest.mark.parametrize("kernel", ["flash_cpu", "math"])
-@pytest.mark.parametrize("q_block, k_block", [(None, None), (7, 5), (3, None), (1, 1)])
+@pytest.mark.parametrize("q_block, k_block", [(None, None), (7, 5), (3, None), (1, 1), (40, 40)])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 2), (4, 4)])
-def test_cascade_matches_dense_forward_and_backward(kernel, q_block, k_block, heads, kv_heads):
+@pytest.mark.parametrize("fuse", [False, True])
+def test_cascade_matches_dense_forward_and_backward(kernel, q_block, k_block, heads, kv_heads, fuse):
     tree = _tree(1)
     q, k, v = _qkv(tree.unique_positions, heads, kv_heads, 16)
     scale = 16**-0.5
     ref = dense_tree_attention(q, k, v, tree.last, scale)
     grad_out = torch.randn_like(ref)
     ref_grads = torch.autograd.grad(ref, (q, k, v), grad_out)
-    out = cascade_attention(q, k, v, plan_pieces(tree.segments, q_block, k_block), scale, kernel)
+    pieces = plan_pieces(tree.segments, q_block, k_block, fuse)
+    if fuse and q_block is None:  # a segment with descendants is one taller-than-wide causal piece
+        assert any(p.causal and p.q_hi - p.q_lo > p.k_hi - p.k_lo for p in pieces)
+    out = cascade_attention(q, k, v, pieces, scale, kernel)
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
     assert (out - ref).abs().max() < 1e-5
     for g, r in zip(grads, ref_grads):
@@ -86,7 +90,8 @@ def test_cascade_matches_dense_forward_and_backward(kernel, q_block, k_block, he
 
 @pytest.mark.parametrize("kernel", ["flash_cpu", "math"])
 @pytest.mark.parametrize("q_block, k_block", [(None, None), (7, 5), (1000, 1000), (3, None)])
-def test_cascade_with_cached_path_matches_dense_forward_and_backward(kernel, q_block, k_block):
+@pytest.mark.parametrize("fuse", [False, True])
+def test_cascade_with_cached_path_matches_dense_forward_and_backward(kernel, q_block, k_block, fuse):
     """Streaming replay's prefix piece (every query sees every cached key): as one tile
     (the kernel's result as is) and tiled (merged by log-sum-exp), against float64."""
     tree = _tree(4)
@@ -102,7 +107,7 @@ def test_cascade_with_cached_path_matches_dense_forward_and_backward(kernel, q_b
     ref = torch.einsum("hqk,khd->qhd", s.masked_fill(~visible, float("-inf")).softmax(-1), values)
     grad_out = torch.randn(ref.shape, dtype=torch.float64)
     ref_grads = torch.autograd.grad(ref, (q, k, v, pk, pv), grad_out)
-    out = cascade_attention(q, k, v, plan_pieces(tree.segments, q_block, k_block), scale, kernel,
+    out = cascade_attention(q, k, v, plan_pieces(tree.segments, q_block, k_block, fuse), scale, kernel,
                             prefix=(pk, pv), q_block=q_block, k_block=k_block)
     grads = torch.autograd.grad(out, (q, k, v, pk, pv), grad_out.float())
     assert (out.double() - ref).abs().max() < 1e-5
@@ -179,12 +184,13 @@ def test_allocation_probe_catches_the_dense_backend():
     assert probe.largest >= U * U
 
 
-def test_pieces_cover_every_visible_pair_once():
+@pytest.mark.parametrize("fuse", [False, True])
+def test_pieces_cover_every_visible_pair_once(fuse):
     tree = _tree(4)
     U = tree.unique_positions
-    for qb, kb in [(None, None), (5, 3)]:
+    for qb, kb in [(None, None), (5, 3), (40, 40)]:
         cover = torch.zeros(U, U, dtype=torch.long)
-        for p in plan_pieces(tree.segments, qb, kb):
+        for p in plan_pieces(tree.segments, qb, kb, fuse):
             block = torch.ones(p.q_hi - p.q_lo, p.k_hi - p.k_lo, dtype=torch.long)
             cover[p.q_lo : p.q_hi, p.k_lo : p.k_hi] += block.tril() if p.causal else block
         assert torch.equal(cover, tree.visibility_mask().long())
@@ -238,7 +244,8 @@ def test_fp8_pads_units_and_cp_shards_to_16_invisibly():
     assert seen == [64]
 
 
-def test_batches_cover_every_visible_pair_once_and_few_calls_suffice():
+@pytest.mark.parametrize("fuse", [False, True])
+def test_batches_cover_every_visible_pair_once_and_few_calls_suffice(fuse):
     """Pieces of equal (bucketed) shape share one kernel call; padded rows see nothing real."""
     from megatron_branch.attention.pieces import bucket, plan_batches
     from megatron_branch.commands.synthetic import branching_rollouts
@@ -247,9 +254,10 @@ def test_batches_cover_every_visible_pair_once_and_few_calls_suffice():
     forest = branching_rollouts([40, 33, 51], [3, 3, 3], [5, 4, 6], 100, seed=0, jitter=2)
     tree = BranchTree.from_sequences(forest.sequences)
     U = tree.unique_positions
-    pieces = plan_pieces(tree.segments)
+    pieces = plan_pieces(tree.segments, fuse=fuse)
     batches = plan_batches(pieces)
     assert len(pieces) > 100 and len(batches) < len(pieces) / 4
+    assert any(b.causal and b.k_index.shape[1] < b.q_index.shape[1] for b in batches) == fuse
     cover = torch.zeros(U, U, dtype=torch.long)
     for b in batches:
         for qi, ki, valid in zip(b.q_index, b.k_index, b.valid):
@@ -257,7 +265,7 @@ def test_batches_cover_every_visible_pair_once_and_few_calls_suffice():
             if b.causal:
                 block = block.tril()
             block = block * valid[:, None]  # padded query rows are dropped
-            if b.causal:  # padded keys come after every real query of the square
+            if b.causal:  # a square's padded keys come after every real query (a fused piece pads none)
                 block = block * (torch.arange(len(ki))[None, :] < valid.sum())
             cover.index_put_((qi[:, None].expand_as(block), ki[None, :].expand_as(block)), block, accumulate=True)
     assert torch.equal(cover, tree.visibility_mask().long())
@@ -265,6 +273,31 @@ def test_batches_cover_every_visible_pair_once_and_few_calls_suffice():
     ref = dense_tree_attention(q, k, v, tree.last, 0.25)
     out = cascade_attention(q, k, v, batches, 0.25)
     g = torch.randn_like(ref)
+    assert (out - ref).abs().max() < 1e-5
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+        assert (a - b).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("kernel", ["flash_cpu", "math"])
+@pytest.mark.parametrize("sequences", [
+    [[1, 2, 3, 4] + [10 + i, 20 + i, 30 + i] for i in range(6)],  # a prompt and equal answers
+    [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 9, 10], [1, 2, 3, 4, 11, 12]],  # leaves across subtrees
+    [[1, 2, 3, 4], [1, 2, 5, 6], [7, 8]],  # a forest: the leaves' run reaches past the first tree
+])
+def test_fused_pieces_merge_run_by_run_exactly(kernel, sequences, monkeypatch):
+    """With fused pieces every batch of these trees is a run of consecutive rows: the
+    merge is elementwise (the scatter merge never runs) and exact."""
+    from megatron_branch.attention import cascade
+
+    def no_scatter(*args):
+        raise AssertionError("the scatter merge ran")
+
+    tree = BranchTree.from_sequences([torch.tensor(s) for s in sequences])
+    q, k, v = _qkv(tree.unique_positions, 4, 2, 16, seed=3)
+    ref = dense_tree_attention(q, k, v, tree.last, 0.25)
+    g = torch.randn_like(ref)
+    monkeypatch.setattr(cascade, "_merge", no_scatter)
+    out = cascade_attention(q, k, v, plan_pieces(tree.segments, fuse=True), 0.25, kernel)
     assert (out - ref).abs().max() < 1e-5
     for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
         assert (a - b).abs().max() < 1e-5

@@ -216,5 +216,8 @@ def test_resume_on_another_layout_reshards(straight, tmp_path):
     out = run_example(2, *DATA, "--steps", 3, "--load", ckpt, "--dump-params", dump)
     assert "RNG from the seed (saved on another layout" in out
     got = load_file(dump)
-    assert max(float((got[k] - source[k]).abs().max()) for k in source) <= 1e-6
-    assert max(float((got[k] - target[k]).abs().max()) for k in target) <= 1e-6
+    # TP and DP sum the same gradients in another order, and Adam's normalised update carries
+    # that rounding (up to ~1e-6 measured); a step lost or a tensor mis-resharded moves
+    # parameters by about the learning rate (1e-3)
+    assert max(float((got[k] - source[k]).abs().max()) for k in source) <= 5e-6
+    assert max(float((got[k] - target[k]).abs().max()) for k in target) <= 5e-6

@@ -60,12 +60,16 @@ class CascadeAttentionFunction(torch.autograd.Function):
             lses.append(lse_p.transpose(0, 1))
             dests.append(torch.arange(n, device=q.device))
         rows = _rows_once(n, batches, outs, lses, dests)
-        if rows is None:
-            out, lse = _merge(n, outs, lses, dests)
-        elif prefix:
-            out, lse = _merge_two(*rows, outs[-1], lses[-1])
+        if rows is not None:
+            out, lse = _merge_two(*rows, outs[-1], lses[-1]) if prefix else (rows[0], rows[1].transpose(0, 1))
         else:
-            out, lse = rows[0], rows[1].transpose(0, 1)
+            merged = _merge_runs(n, batches, outs, lses)
+            if merged is None:
+                out, lse = _merge(n, outs, lses, dests)
+            else:
+                out, lse = merged
+                if prefix:
+                    merge(out, lse, 0, n, outs[-1], lses[-1].transpose(0, 1))
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         # The path K/V are rows of the prefix cache, which later stems write beyond them;
@@ -200,6 +204,58 @@ def _rows_once(n: int, batches: Sequence[PieceBatch], outs, lses, dests) -> Opti
     lse_rows = torch.empty((n + 1, h), dtype=torch.float32, device=o[0].device)
     lse_rows.index_copy_(0, dest, torch.cat([x.float() for x in lse]))
     return out[:n], lse_rows[:n]
+
+
+def _runs(batches: Sequence[PieceBatch]) -> Optional[list]:
+    """The row range ``[lo, hi)`` of each batch when every batch is a view of consecutive
+    query rows (its pieces side by side, no padding), else ``None``."""
+    runs = []
+    for b in batches:
+        if b.view is None:
+            return None
+        count, width = b.q_index.shape
+        q_lo, q_step = b.view[:2]
+        if count > 1 and q_step != width:
+            return None
+        runs.append((q_lo, q_lo + count * width))
+    return runs
+
+
+def _merge_runs(n: int, batches: Sequence[PieceBatch], outs, lses) -> Optional[Tuple[Tensor, Tensor]]:
+    """``(out [n, h, d] float32, lse [h, n])`` merged run by run when every batch covers
+    consecutive rows (:func:`_runs`; fused pieces make every piece such a run), else
+    ``None``. Runs are taken by first row: rows no earlier run reached are copied, the
+    rest folded in elementwise by :func:`~megatron_branch.attention.prefix.merge`; no
+    scatter, and the piece covering a subtree's rows is copied, not merged."""
+    runs = _runs(batches) if batches else None
+    if runs is None:
+        return None
+    order = sorted(range(len(runs)), key=lambda i: (runs[i][0], -runs[i][1]))
+    reach = 0
+    for i in order:
+        if runs[i][0] > reach:  # a row no piece covers: leave it to the general merge
+            return None
+        reach = max(reach, runs[i][1])
+    if reach != n:
+        return None
+    h, d = outs[0].shape[1:]
+    out = torch.empty((n, h, d), dtype=torch.float32, device=outs[0].device)
+    lse = torch.empty((h, n), dtype=torch.float32, device=outs[0].device)
+    reach = 0
+    for i in order:
+        lo, hi = runs[i]
+        o, l = outs[i], lses[i].transpose(0, 1)  # [m, h, d], [h, m]
+        if lo == reach:  # rows no run has reached yet
+            out[lo:hi] = o
+            lse[:, lo:hi] = l
+            reach = hi
+            continue
+        if hi > reach:  # partly new rows: neutral before the merge (no keys yet)
+            out[reach:hi] = 0.0
+            lse[:, reach:hi] = float("-inf")
+            reach = hi
+        merge(out, lse, lo, hi, o, l)
+    return out, lse
 
 
 def _merge_two(out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> Tuple[Tensor, Tensor]:

@@ -103,10 +103,13 @@ def clip_pieces(pieces: Sequence[AttentionPiece], lo: int, hi: int) -> List[Atte
     """The pieces restricted to queries ``[lo, hi)``; query indices become shard-local.
 
     A causal square cut by the boundary becomes an unmasked rectangle on the keys before
-    the first local query plus a smaller causal square.
+    the first local query plus a smaller causal square. The pieces are squares and
+    rectangles (``plan_pieces`` without ``fuse``).
     """
     out: List[AttentionPiece] = []
     for p in pieces:
+        if p.causal and p.q_hi - p.q_lo != p.k_hi - p.k_lo:
+            raise ValueError("pieces: a fused causal piece cannot be split over context-parallel shards")
         qa, qb = max(p.q_lo, lo), min(p.q_hi, hi)
         if qa >= qb:
             continue

@@ -1,7 +1,8 @@
 """Attention-piece kernels that return the log-sum-exp, and their backwards.
 
 A *piece* is a dense attention of a query range on a key range, either unmasked or
-causal on a square (the query and key ranges coincide). Every kernel here takes
+causal, aligned top-left (query ``i`` sees keys ``0..i``: a square, or a segment with its
+descendants below it, :func:`top_left_causal`). Every kernel here takes
 Megatron's per-token layout ``[n, heads, head_dim]`` views (no copies), or a batch of
 equally shaped pieces ``[B, n, heads, head_dim]``, and returns ``out [(B,) nq, heads,
 head_dim]`` and ``lse [(B,) heads, nq]`` (float32). The backward takes the
@@ -71,9 +72,9 @@ def flash_cpu_backward(
 def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
     # [(B,) nq, h, d] x [(B,) nk, h, d] -> [(B,) h, nq, nk]
     s = torch.einsum("...qhd,...khd->...hqk", q.float(), k.float()) * scale
-    if causal:
-        n = q.shape[-3]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    if causal:  # aligned top-left, as torch's SDPA: query i sees keys 0..i
+        nq, nk = q.shape[-3], k.shape[-3]
+        s = s.masked_fill(torch.ones(nq, nk, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     return s
 
 
@@ -172,6 +173,39 @@ def cpu_flash_takes_gqa() -> bool:
         torch.ones_like(out), q, kr, vr, ref_out, ref_lse, 0.0, True, scale=0.5)
     same = torch.allclose(out, ref_out) and grads[1].shape == k.shape
     return bool(same and torch.allclose(grads[1], ref[1].view(1, 1, 2, 4, 8).sum(2), atol=1e-6))
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_flash_causal_top_left() -> bool:
+    """Whether torch's CPU flash kernel aligns a causal mask of more queries than keys
+    top-left (query ``i`` sees keys ``0..i``, as torch's SDPA documents), forward and
+    backward; probed once against the explicit mask on a tiny input."""
+    # the first call may come from inside no_grad / inference mode (scoring)
+    with torch.inference_mode(False), torch.enable_grad():
+        cpu = torch.device("cpu")
+        gen = torch.Generator(device=cpu).manual_seed(0)
+        q, k, v = (torch.randn(1, 1, n, 8, generator=gen, device=cpu, requires_grad=True) for n in (6, 3, 3))
+        mask = torch.ones(6, 3, dtype=torch.bool, device=cpu).tril()
+        try:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q.detach(), k.detach(), v.detach(), 0.0, True, scale=0.5)
+            dout = torch.ones_like(out)
+            grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout, q.detach(), k.detach(), v.detach(), out, lse, 0.0, True, scale=0.5)
+        except RuntimeError:
+            return False
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.5)
+        ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    return bool(torch.allclose(out, ref, atol=1e-6)
+                and all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, ref_grads)))
+
+
+def top_left_causal(kernel: str) -> bool:
+    """The kernel's causal mask is aligned top-left on pieces with more queries than keys,
+    so a segment and its descendants can be one piece (``plan_pieces(..., fuse=True)``).
+    ``flash_cuda`` is not fused: FlashAttention-2, which torch's CUDA kernel is, aligns
+    such a mask bottom-right."""
+    return kernel == "math" or (kernel == "flash_cpu" and cpu_flash_causal_top_left())
 
 
 def takes_gqa(kernel: str) -> bool:

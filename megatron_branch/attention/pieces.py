@@ -5,6 +5,12 @@ at ``subtree_end``): its own tokens attend to its own keys causally (a square ca
 piece), and every token of its descendants — the contiguous range ``[end, subtree_end)``
 — attends to its keys with no mask (a rectangular piece). Together the pieces cover
 every visible (query, key) pair exactly once, with no ``U x U`` mask.
+
+Where the kernel's causal mask is aligned top-left (query ``i`` of a piece sees its keys
+``0..i``, whatever the piece's shape), a segment's square and its descendants' rectangle
+are one piece instead: queries ``[start, subtree_end)`` on keys ``[start, end)``, causal
+(``plan_pieces(..., fuse=True)``). The pairs are the same; one kernel call and one merge
+entry per segment fewer, and every piece is then a contiguous run of rows.
 """
 
 from __future__ import annotations
@@ -20,7 +26,13 @@ from megatron_branch.tree import BranchSegment
 
 @dataclass(frozen=True)
 class AttentionPiece:
-    """Queries ``[q_lo, q_hi)`` attend to keys ``[k_lo, k_hi)``; causal pieces are square."""
+    """Queries ``[q_lo, q_hi)`` attend to keys ``[k_lo, k_hi)``.
+
+    A causal piece starts its queries and keys at the same row (``q_lo == k_lo``) and
+    is aligned top-left: query ``q_lo + i`` sees keys ``k_lo .. k_lo + i``. It is square,
+    or (fused, :func:`plan_pieces`) taller than wide: a segment and its descendants,
+    which see every key of the segment.
+    """
 
     q_lo: int
     q_hi: int
@@ -45,7 +57,8 @@ def _tile_causal(lo, hi, q_block, k_block, out):
 
 
 def plan_pieces(
-    segments: Sequence[BranchSegment], q_block: Optional[int] = None, k_block: Optional[int] = None
+    segments: Sequence[BranchSegment], q_block: Optional[int] = None, k_block: Optional[int] = None,
+    fuse: bool = False,
 ) -> List[AttentionPiece]:
     """The attention pieces of a packed tree.
 
@@ -53,6 +66,9 @@ def plan_pieces(
         segments: the tree's segments (``BranchTree.segments``).
         q_block: most queries per piece (``None``: unbounded).
         k_block: most keys per piece (``None``: unbounded).
+        fuse: a segment with descendants is one causal piece over its subtree's queries
+            (if it fits the blocks), for kernels whose causal mask is aligned top-left
+            (:func:`~megatron_branch.attention.kernels.top_left_causal`).
 
     Returns:
         Pieces that cover every visible (query, key) pair exactly once.
@@ -61,8 +77,12 @@ def plan_pieces(
     qb, kb = q_block or big, k_block or big
     pieces: List[AttentionPiece] = []
     for seg in segments:
+        below = seg.subtree_end > seg.end
+        if fuse and below and seg.subtree_end - seg.start <= qb and seg.end - seg.start <= kb:
+            pieces.append(AttentionPiece(seg.start, seg.subtree_end, seg.start, seg.end, True))
+            continue
         _tile_causal(seg.start, seg.end, qb, kb, pieces)
-        if seg.subtree_end > seg.end:
+        if below:
             tile_rect(seg.end, seg.subtree_end, seg.start, seg.end, qb, kb, pieces)
     return pieces
 
@@ -81,11 +101,12 @@ class PieceBatch:
     """Equally shaped pieces run as one batched kernel call.
 
     Causal squares are padded at their end (a padded query's output is dropped; no real
-    query sees a padded key, which comes after it); rectangles pad only queries, never
-    keys (an extra key would change every softmax).
+    query sees a padded key, which comes after it); rectangles and fused causal pieces
+    (taller than wide) pad only queries, never keys (an extra key would change every
+    softmax).
 
     Attributes:
-        causal: the pieces are causal squares.
+        causal: the pieces are causal (aligned top-left; square unless fused).
         q_index: ``[B, nq]`` query row of each batch entry (padding repeats a real row).
         k_index: ``[B, nk]`` key row of each batch entry.
         valid: ``[B, nq]`` the entry is a real query of its piece.
@@ -121,10 +142,10 @@ SOLO_ROWS = 512
 
 def plan_batches(pieces: Sequence[AttentionPiece], max_scores: Optional[int] = None,
                  num_rows: Optional[int] = None) -> List[PieceBatch]:
-    """Group pieces into batched calls: causal squares by bucketed length, rectangles by
-    key count and bucketed query count; a group is split so a call gathers at most
-    :data:`MAX_BATCH_ROWS` query rows and, for kernels that materialise scores, at most
-    ``max_scores`` (query, key) pairs per head.
+    """Group pieces into batched calls: causal squares by bucketed length, rectangles and
+    fused causal pieces by key count and bucketed query count; a group is split so a call
+    gathers at most :data:`MAX_BATCH_ROWS` query rows and, for kernels that materialise
+    scores, at most ``max_scores`` (query, key) pairs per head.
 
     Args:
         pieces: from :func:`plan_pieces`.
@@ -137,24 +158,29 @@ def plan_batches(pieces: Sequence[AttentionPiece], max_scores: Optional[int] = N
     groups: dict = {}
     for p in pieces:
         nq, nk = p.q_hi - p.q_lo, p.k_hi - p.k_lo
-        key = (True, bucket(nq), bucket(nq)) if p.causal else (False, bucket(nq), nk)
+        # a fused piece has fewer keys than queries, so its key never equals a square's
+        key = (True, bucket(nq), bucket(nq)) if p.causal and nq == nk else (p.causal, bucket(nq), nk)
         groups.setdefault(key, []).append(p)
     batches: List[PieceBatch] = []
     for (causal, nq_b, nk_b), members in sorted(groups.items(), key=lambda kv: kv[0]):
         if len(members) > 1 and nq_b >= SOLO_ROWS and _batch(members, causal, nq_b, nk_b, num_rows).view is None:
             for p in members:  # each on views: no gather
                 nq = p.q_hi - p.q_lo
-                batches.append(_batch([p], causal, nq, nq if causal else nk_b, num_rows))
+                batches.append(_batch([p], causal, nq, nq if _square(p) else nk_b, num_rows))
             continue
         if len(members) == 1:  # nothing to share a call with: its exact size (a view, no padding)
             nq_b = members[0].q_hi - members[0].q_lo
-            nk_b = nq_b if causal else nk_b
+            nk_b = nq_b if _square(members[0]) else nk_b
         per_call = max(1, MAX_BATCH_ROWS // nq_b)
         if max_scores is not None:
             per_call = max(1, min(per_call, max_scores // (nq_b * nk_b)))
         for first in range(0, len(members), per_call):
             batches.append(_batch(members[first:first + per_call], causal, nq_b, nk_b, num_rows))
     return batches
+
+
+def _square(p: AttentionPiece) -> bool:
+    return p.causal and p.q_hi - p.q_lo == p.k_hi - p.k_lo
 
 
 def _steps(starts: List[int], width: int) -> Optional[int]:
@@ -180,7 +206,7 @@ def _batch(members: Sequence[AttentionPiece], causal: bool, nq_b: int, nk_b: int
     valid = steps[None, :] < q_len
     q_index = q_lo + np.minimum(steps[None, :], q_len - 1)
     k_lo = np.asarray(k_los)[:, None]
-    if causal:  # keys follow the queries (their indices differ under CP, where queries are shard-local)
+    if causal and nk_b == nq_b:  # a square: keys follow the queries (shard-local queries under CP)
         k_index = k_lo + np.minimum(steps[None, :], q_len - 1)
     else:
         k_index = k_lo + np.arange(nk_b)[None, :]

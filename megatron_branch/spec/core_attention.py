@@ -17,7 +17,7 @@ from megatron_branch._megatron import AttnMaskType, MegatronModule, TransformerC
 from megatron_branch.attention.cascade import cascade_attention
 from megatron_branch.attention.context_parallel import gather_rows
 from megatron_branch.attention.dense import dense_tree_attention
-from megatron_branch.attention.kernels import KERNELS, default_kernel
+from megatron_branch.attention.kernels import KERNELS, default_kernel, top_left_causal
 from megatron_branch.attention.path_cache import inject
 from megatron_branch.attention.plain import masked_attention, thd_attention, unmasked_attention
 from megatron_branch.attention.repeat_kv import repeated_kv_attention
@@ -165,7 +165,7 @@ class BranchCoreAttention(MegatronModule):
         else:
             kernel = self.kernel or default_kernel(q.device)
             q_block, k_block = self._blocks(kernel)
-            pieces = params.batches(q_block, k_block, q.device)
+            pieces = params.batches(q_block, k_block, q.device, fuse=top_left_causal(kernel))
             out = cascade_attention(
                 q, k, v, pieces, self.softmax_scale, kernel, prefix=prefix,
                 q_block=q_block, k_block=k_block, prefix_cp=params.cp,

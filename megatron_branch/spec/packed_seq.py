@@ -63,7 +63,7 @@ class BranchPackedSeqParams(PackedSeqParams):
     multiplicity: Optional[Tensor] = None
     tree: Optional[BranchTree] = field(default=None, repr=False)
     start: int = 0
-    _pieces: Dict[Tuple[Optional[int], Optional[int]], List[AttentionPiece]] = field(
+    _pieces: Dict[tuple, list] = field(
         default_factory=dict, repr=False
     )
     _memo: Dict[object, object] = field(default_factory=dict, repr=False)
@@ -161,25 +161,29 @@ class BranchPackedSeqParams(PackedSeqParams):
         """Unit-relative range of the tokens this rank runs."""
         return self.cp.local if self.cp is not None else (0, self.total)
 
-    def pieces(self, q_block: Optional[int], k_block: Optional[int]) -> List[AttentionPiece]:
-        """Attention pieces of this rank's queries, planned once and shared by all layers."""
-        key = (q_block, k_block)
+    def pieces(self, q_block: Optional[int], k_block: Optional[int], fuse: bool = False) -> List[AttentionPiece]:
+        """Attention pieces of this rank's queries, planned once and shared by all layers
+        (``fuse``: a segment and its descendants as one piece, for kernels whose causal
+        mask is aligned top-left; not under CP, whose shards cut pieces as squares)."""
+        fuse = fuse and self.cp is None
+        key = (q_block, k_block, fuse)
         if key not in self._pieces:
-            pieces = plan_pieces(self.segments, q_block, k_block)
+            pieces = plan_pieces(self.segments, q_block, k_block, fuse)
             if self.cp is not None:
                 pieces = clip_pieces(pieces, *self.cp.local)
             self._pieces[key] = pieces
         return self._pieces[key]
 
-    def batches(self, q_block: Optional[int], k_block: Optional[int], device=None) -> List[PieceBatch]:
+    def batches(self, q_block: Optional[int], k_block: Optional[int], device=None,
+                fuse: bool = False) -> List[PieceBatch]:
         """The pieces grouped into batched kernel calls, planned once per forward (with
         ``k_block``, score-materialising kernels: a call holds at most one tile of scores)
         and moved to ``device`` once, not per layer."""
-        key = ("batches", q_block, k_block)
+        key = ("batches", q_block, k_block, fuse)
         if key not in self._pieces:
             max_scores = q_block * k_block if q_block and k_block else None
             lo, hi = self.local
-            self._pieces[key] = plan_batches(self.pieces(q_block, k_block), max_scores, num_rows=hi - lo)
+            self._pieces[key] = plan_batches(self.pieces(q_block, k_block, fuse), max_scores, num_rows=hi - lo)
         if device is None:
             return self._pieces[key]
         on = key + (str(device),)
