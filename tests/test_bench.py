@@ -102,6 +102,11 @@ def test_tiny_bench_report(tmp_path):
     assert "hidden 64 (4 heads / 2 KV), 1 thread" in proc.stdout and "% of one pass" in proc.stdout
     assert proc.stdout.count("| G=4 |") == 4  # two run tables, the comparison and the fixed-cost bounds
     assert "% of bound" in proc.stdout and "fixed cost of a pass through the stack" in table
+    # the profile's categories, once per run that has them, with the run's own numbers
+    assert proc.stdout.count("where ours' gap goes (--profile; seconds)") == 2
+    attn = next(r for r in prof["rows"] if r["category"] == "attention kernel")
+    assert f"| attention kernel | {attn['naive_over_ideal_seconds']:.3f} | {attn['naive_rate_seconds']:.3f} | " in proc.stdout
+    assert "the real peer (--peer)" not in proc.stdout  # this run has no peer section
 
 
 def test_fixed_cost_bounds_by_hand():
@@ -174,6 +179,7 @@ def test_peer_prefix_grouper_is_exact():
     pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[peer])")
     pytest.importorskip("prefix_grouper", reason="prefix_grouper is not installed (pip install -e .[peer])")
     from megatron_branch.commands.bench.peer import format_peer, run_peer
+    from megatron_branch.commands.bench.table import peer_table
     from megatron_branch.cpu import enable_cpu
     from megatron_branch.distributed import init_distributed
 
@@ -197,6 +203,10 @@ def test_peer_prefix_grouper_is_exact():
         assert rows["prefix_grouper"]["max_abs_logprob_diff"] < 1e-5
         assert rows["ours"]["max_abs_logprob_diff"] < 1e-5
     assert "prefix_grouper" in format_peer(peer) and "framework per-position cost" in format_peer(peer)
+    table = peer_table({"peer": peer})  # bench --table: one row per shape, its paired ours-over-peer median
+    for shape in peer["shapes"]:
+        assert f"| {shape['shape']} | {shape['position_ratio']:.2f}x |" in table
+        assert f"{shape['ours_over_peer']['median']:.2f}x (" in table
 
 
 def test_sdpa_varlen_matches_per_sequence_causal():

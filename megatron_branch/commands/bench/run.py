@@ -544,7 +544,8 @@ def add_arguments(parser) -> None:
                              "whose name contains it (e.g. 'G=16 p/r=1' agentic 4096)")
     parser.add_argument("--table", nargs="+", default=None, metavar="JSON",
                         help="print the markdown tables of these bench.json files and exit (runs nothing): one per "
-                             "run and, for several, ours' %% of ideal and streaming's %% of one pass side by side")
+                             "run and, for several, ours' %% of ideal and streaming's %% of one pass side by side; then the "
+                             "fixed-cost bounds, and the --profile and --peer tables of the runs that have them")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None,
                         help="profile where ours' gap to the ideal ratio goes (default: on)")
     parser.add_argument("--allocator", choices=allocator.CHOICES, default=None,

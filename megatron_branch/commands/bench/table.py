@@ -3,7 +3,9 @@
 The README's and ``docs/benchmarks.md``'s tables are this module's output on the JSON
 files in ``docs/``, so the published numbers are exactly the measured ones: one detailed
 table per run (:func:`run_table`) and one comparison across runs, a column per
-configuration (:func:`comparison_table`).
+configuration (:func:`comparison_table`), the fixed-cost bounds (:func:`bound_table`), and
+for a run that has them, where ours' gap goes (:func:`profile_table`, ``--profile``) and the
+real peer (:func:`peer_table`, ``--peer``).
 """
 
 from __future__ import annotations
@@ -144,9 +146,51 @@ def bound_table(reports: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def _spread(x: dict) -> str:
+    return f"{x['median']:.2f}x ({x['min']:.2f}–{x['max']:.2f})"
+
+
+def profile_table(report: dict) -> str:
+    """``--profile``: ours' time per category against naive's divided by the ideal ratio."""
+    profiles = report.get("profile") or []
+    if not profiles:
+        return ""
+    lines = ["| shape (ours' gap) | category | naive ÷ ideal | at naive's rate | ours | excess |",
+             "|---|---|---|---|---|---|"]
+    for p in profiles:
+        for i, r in enumerate(p["rows"]):
+            head = (f"{p['shape']} ({p['gap_seconds']:+.3f} s; {100 * p['fraction_of_ideal_profiled']:.0f}% of ideal, "
+                    f"{100 * p['fraction_of_naive_rate_profiled']:.0f}% of naive's rate)") if i == 0 else ""
+            lines.append(f"| {head} | {r['category']} | {r['naive_over_ideal_seconds']:.3f} | "
+                         f"{r['naive_rate_seconds']:.3f} | {r['ours_seconds']:.3f} | {r['excess_seconds']:+.3f} |")
+    return "\n".join(lines)
+
+
+def peer_table(report: dict) -> str:
+    """``--peer``: ours and the real ``prefix_grouper`` against HF naive, and the
+    framework's per-position cost measured apart from the method (paired medians, min–max)."""
+    peer = report.get("peer") or {}
+    if not peer.get("shapes"):
+        return ""
+    lines = ["| shape | position ratio | prefix_grouper | ours | ours / peer | Megatron / HF naive per position | "
+             "method alone | log-prob / grad diff vs HF naive (peer; ours) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for s in peer["shapes"]:
+        rows = _rows(s)
+        if "ours_over_peer" not in s:
+            lines.append(f"| {s['shape']} | not run | | | | | | |")
+            continue
+        pg, ours = rows["prefix_grouper"], rows["ours"]
+        diffs = "; ".join(f"{r['max_abs_logprob_diff']:.1e} / {r['max_rel_grad_diff']:.1e}" for r in (pg, ours))
+        lines.append(f"| {s['shape']} | {s['position_ratio']:.2f}x | {_spread(pg['speedup'])} | "
+                     f"{_spread(ours['speedup'])} | {_spread(s['ours_over_peer'])} | "
+                     f"{s['framework_cost']['median']:.2f}x | {_spread(s['method_ratio'])} | {diffs} |")
+    return "\n".join(lines)
+
+
 def markdown(paths: Sequence[str]) -> str:
-    """Every run's table, then (for several runs) the comparison, then the fixed-cost bounds
-    of the runs that measured them."""
+    """Every run's table, then (for several runs) the comparison, the fixed-cost bounds of the
+    runs that measured them, and the profile and peer tables of the runs that have them."""
     reports = load(paths)
     parts = [f"{path}:\n\n{run_table(r)}" for path, r in zip(paths, reports)]
     if len(reports) > 1:
@@ -154,4 +198,7 @@ def markdown(paths: Sequence[str]) -> str:
     bounds = bound_table(reports)
     if bounds:
         parts.append(bounds)
+    for title, render in (("where ours' gap goes (--profile; seconds)", profile_table),
+                          ("the real peer (--peer)", peer_table)):
+        parts += [f"{path}, {title}:\n\n{t}" for path, r in zip(paths, reports) if (t := render(r))]
     return "\n\n".join(parts)
