@@ -132,6 +132,31 @@ def test_fixed_cost_bounds_by_hand():
     assert "fixed_cost_bound" not in rows[0]
 
 
+def test_bench_table_runs_of_one_configuration_share_a_column():
+    """A run of the remaining shapes at a configuration fills that configuration's column;
+    another configuration keeps its own, and a shape no run of a column has shows '-'."""
+    from megatron_branch.commands.bench.table import bound_table, comparison_table
+
+    def run(hidden, shapes):
+        methods = lambda f: [  # noqa: E731
+            {"method": "ours", "fraction_of_ideal": {"median": f}, "speedup": {"median": 5 * f},
+             "fraction_of_bound": {"median": f}, "fixed_cost_bound": {"median": 5.0}},
+            {"method": "ours_stream", "fraction_of_one_pass": {"median": f}}]
+        return {"config": {"hidden_size": hidden, "num_attention_heads": 4, "num_query_groups": 2},
+                "torch_threads": 2, "shapes": [{"shape": n, "ideal_flop_ratio": 5.0, "methods": methods(f),
+                                                "fixed_cost_seconds": {"median": 0.004}} for n, f in shapes]}
+
+    first, rest, other = run(512, [("A", 0.91)]), run(512, [("B", 0.82), ("A", 0.5)]), run(128, [("A", 0.97)])
+    table = comparison_table([first, rest, other])
+    head, rule, row_a, row_b = table.splitlines()
+    assert head.count("hidden 512 (4 heads / 2 KV), 2 threads") == 2  # ours and streaming: one column each
+    assert rule == "|---|" + "---|" * 4
+    assert row_a.startswith("| A | 91% (4.55x of 5.00x) | 97% ")  # the first run of the column that has A
+    assert row_b.startswith("| B | 82% (4.10x of 5.00x) | - | 82% | - |")
+    bounds = bound_table([first, rest, other]).splitlines()
+    assert len(bounds[1].split("---")) == 4 and bounds[3].startswith("| B | 4.0; 82% of 5.00x | - |")
+
+
 @pytest.mark.parametrize("content, message", [
     (None, "no such file"), ("{", "not valid JSON"), ('{"a": 1}', "not a bench report"),
 ])

@@ -11,7 +11,7 @@ real peer (:func:`peer_table`, ``--peer``).
 from __future__ import annotations
 
 import json
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 
 def load(paths: Sequence[str]) -> List[dict]:
@@ -57,6 +57,20 @@ def _shape_names(reports: Sequence[dict]) -> List[str]:
     return names
 
 
+def _columns(reports: Sequence[dict]) -> List[tuple]:
+    """``(label, runs)`` per configuration, in the order first met: runs of one
+    configuration (e.g. a run of the remaining shapes) share a column, each shape from the
+    first of them that ran it."""
+    columns: dict = {}
+    for r in reports:
+        columns.setdefault(config_label(r), []).append(r)
+    return list(columns.items())
+
+
+def _shape(runs: Sequence[dict], name: str) -> Optional[dict]:
+    return next((s for r in runs for s in r["shapes"] if s["shape"] == name), None)
+
+
 def _speed(row: dict) -> str:
     if not row or "speedup" not in row:
         return "skipped"
@@ -91,16 +105,18 @@ def run_table(report: dict) -> str:
 
 
 def comparison_table(reports: Sequence[dict]) -> str:
-    """Ours' fraction of the ideal ratio and streaming's of one pass, a column per run."""
-    labels = [config_label(r) for r in reports]
+    """Ours' fraction of the ideal ratio and streaming's of one pass, a column per
+    configuration (:func:`_columns`)."""
+    columns = _columns(reports)
+    labels = [lab for lab, _ in columns]
     head = "| shape | " + " | ".join(f"ours, % of ideal ({lab})" for lab in labels) + " | " + " | ".join(
         f"streaming, % of one pass ({lab})" for lab in labels) + " |"
-    lines = [head, "|---|" + "---|" * (2 * len(reports))]
+    lines = [head, "|---|" + "---|" * (2 * len(columns))]
     names = _shape_names(reports)
     for name in names:
         cells_ours, cells_stream = [], []
-        for r in reports:
-            s = next((s for s in r["shapes"] if s["shape"] == name), None)
+        for _, runs in columns:
+            s = _shape(runs, name)
             rows = _rows(s) if s else {}
             ours, stream = rows.get("ours", {}), rows.get("ours_stream", {})
             if "fraction_of_ideal" in ours:
@@ -118,19 +134,21 @@ def comparison_table(reports: Sequence[dict]) -> str:
 def bound_table(reports: Sequence[dict]) -> str:
     """Against the fixed-cost bounds (``fixed_cost.py``): the stack's cost per pass ``S``,
     ours' fraction of the speed-up a method with the ideal work and ``S`` once could reach,
-    and streaming's of one pass with ``S`` per unit; a column per run that measured ``S``."""
+    and streaming's of one pass with ``S`` per unit; a column per configuration whose runs
+    measured ``S`` (:func:`_columns`)."""
     reports = [r for r in reports if any("fixed_cost_seconds" in s for s in r["shapes"])]
     if not reports:
         return ""
-    labels = [config_label(r) for r in reports]
+    columns = _columns(reports)
+    labels = [lab for lab, _ in columns]
     head = ("| shape | " + " | ".join(f"S ms; ours, % of bound; streaming, % of bound ({lab})" for lab in labels)
             + " |")
-    lines = [head, "|---|" + "---|" * len(reports)]
+    lines = [head, "|---|" + "---|" * len(columns)]
     names = _shape_names(reports)
     for name in names:
         cells = []
-        for r in reports:
-            s = next((s for s in r["shapes"] if s["shape"] == name), None)
+        for _, runs in columns:
+            s = _shape(runs, name)
             rows = _rows(s) if s else {}
             ours, stream = rows.get("ours", {}), rows.get("ours_stream", {})
             if not s or "fixed_cost_seconds" not in s or "fraction_of_bound" not in ours:
