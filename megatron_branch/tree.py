@@ -67,6 +67,25 @@ def _as_token_array(seq: Rollout, index: int) -> np.ndarray:
     return arr
 
 
+_INT_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
+
+
+def _as_token_arrays(sequences: Sequence[Rollout]) -> List[np.ndarray]:
+    """Every rollout as a checked int64 array (:func:`_as_token_array`).
+
+    A batch of non-empty 1-D integer tensors (what a trainer passes, every step) is
+    converted and checked in one go: per-rollout checks cost about 10 us each, 2.6 ms on
+    the bench's 256-rollout forest. Anything else, or a batch with a negative id, is
+    checked rollout by rollout, so the error names the rollout.
+    """
+    if all(isinstance(s, torch.Tensor) and s.dim() == 1 and s.dtype in _INT_DTYPES and s.numel() for s in sequences):
+        flat = torch.cat([s.detach().cpu() for s in sequences]).to(torch.int64).numpy()
+        if not (flat < 0).any():
+            ends = np.cumsum([s.numel() for s in sequences])
+            return np.split(flat, ends[:-1])
+    return [_as_token_array(s, i) for i, s in enumerate(sequences)]
+
+
 def _lexicographic_order(arrays: List[np.ndarray]) -> np.ndarray:
     """Stable lexicographic order of rollouts (non-negative ids), a prefix before its extensions.
 
@@ -182,7 +201,7 @@ class BranchTree:
             sequences = list(sequences)
         if sequences is None or len(sequences) == 0:
             raise ValueError("sequences: no rollouts given")
-        arrays = [_as_token_array(s, i) for i, s in enumerate(sequences)]
+        arrays = _as_token_arrays(sequences)
         if vocab_size is not None:
             for i, a in enumerate(arrays):
                 if a.max() >= vocab_size:

@@ -6,7 +6,15 @@ import sys
 
 import pytest
 
-from megatron_branch.commands.bench.run import BenchConfig, Shape, format_table, plot, run_bench, select_shapes
+from megatron_branch.commands.bench.run import (
+    BenchConfig,
+    Shape,
+    format_table,
+    plot,
+    run_bench,
+    select_shapes,
+    timing_order,
+)
 from megatron_branch.flops import ModelShape, causal_pairs, step_flops
 
 TREE_METHODS = {"packed", "prompt_once", "dense_tree", "ours", "ours_stream", "ours_stream_small"}
@@ -107,6 +115,20 @@ def test_tiny_bench_report(tmp_path):
     attn = next(r for r in prof["rows"] if r["category"] == "attention kernel")
     assert f"| attention kernel | {attn['naive_over_ideal_seconds']:.3f} | {attn['naive_rate_seconds']:.3f} | " in proc.stdout
     assert "the real peer (--peer)" not in proc.stdout  # this run has no peer section
+
+
+def test_timing_order_gives_every_method_varying_neighbours():
+    """The first repeat times the listed order; later ones are seeded shuffles (the same on
+    every run), so no method is timed after the same neighbour in every repeat."""
+    names = [f"m{i}" for i in range(14)]
+    orders = [timing_order(names, r) for r in range(5)]
+    assert orders[0] == names
+    assert all(sorted(o) == sorted(names) for o in orders)
+    assert orders == [timing_order(names, r) for r in range(5)]  # reproducible
+    for name in names:
+        before = {o[o.index(name) - 1] if o.index(name) else None for o in orders}
+        assert len(before) > 1, (name, before)
+    assert timing_order([], 3) == []
 
 
 def test_fixed_cost_bounds_by_hand():

@@ -112,11 +112,34 @@ def test_large_tree_shape():
         ([[1, 2], [[1, 2]]], "rollout 1: tokens must be 1-D"),
         ([[1, 2], [3, -4]], "rollout 1: tokens contains negative token id -4"),
         ([[1, 2], [1, [2, 3]]], "rollout 1"),
+        # a batch of integer tensors is checked at once, but the error still names the rollout
+        ([torch.tensor([1, 2]), torch.tensor([3, 4]), torch.tensor([5, -6])],
+         "rollout 2: tokens contains negative token id -6"),
+        ([torch.tensor([1, 2]), torch.tensor([], dtype=torch.long)], "rollout 1: tokens is empty"),
+        ([torch.tensor([1, 2]), torch.tensor([[1, 2]])], "rollout 1: tokens must be 1-D"),
+        ([torch.tensor([1, 2]), torch.tensor([True, False])], "rollout 1: tokens must be integers"),
     ],
 )
 def test_bad_rollouts_raise_naming_the_rollout(seqs, match):
     with pytest.raises(ValueError, match=match):
         BranchTree.from_sequences(seqs)
+
+
+def test_tensor_batches_build_the_same_tree_as_lists():
+    """The one-go conversion of integer tensors (mixed dtypes included) and the
+    rollout-by-rollout path of lists give the same tree."""
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 50, (12,), generator=gen)
+    seqs = [torch.cat([prompt[: 4 + r % 9], torch.randint(0, 50, (1 + r % 5,), generator=gen)]) for r in range(40)]
+    seqs[3] = seqs[3].to(torch.int32)
+    seqs[7] = seqs[7].to(torch.uint8)
+    from_tensors = BranchTree.from_sequences(seqs)
+    from_lists = BranchTree.from_sequences([s.tolist() for s in seqs])
+    for name in ("tokens", "positions", "parents", "last", "rows", "lengths"):
+        assert torch.equal(getattr(from_tensors, name), getattr(from_lists, name)), name
+    assert from_tensors.segments == from_lists.segments
+    for r, s in enumerate(seqs):
+        assert from_tensors.sequence(r).tolist() == s.tolist()
 
 
 def test_token_outside_vocabulary_names_the_rollout():
