@@ -4,9 +4,10 @@ For every shape (rollouts per prompt G, prompt/response ratio, a multi-level tre
 many-segment agentic forest, a long-prompt batch, a batch with no sharing, a
 Mixture-of-Experts model) every method runs forward+backward of one GRPO-style loss on
 the same weights. The naive reference is a sweep: every rollout in full in micro-batches
-of 1, 2, 4 and all rollouts (gradient accumulation), each reported; the fastest (by
-median) is the reference for every speed-up. Tree methods' times include building
-their tree. Every time is the median of ``repeats`` interleaved runs with min and max;
+of every power of two below the group and all rollouts (gradient accumulation), each
+reported; the fastest (by median) is the reference for every speed-up. Tree methods'
+times include building their tree. Every time is the median of ``repeats`` interleaved
+runs with min and max (after the first, each in a seeded shuffled order: :func:`timing_order`);
 speed-ups are per-repeat ratios against the reference run side by side (median, min,
 max). MoE shapes use Megatron's MoE layer (sequential experts, the load-balancing and z
 losses on): the naive batch masks its padding out of the router statistics and the tree

@@ -41,7 +41,8 @@ def config_line(report: dict) -> str:
     load_s = f", load {load[0]:.2f} at the start" if load else ""
     return (f"{config_label(report)}, {report['config']['num_layers']} layers, fp32, torch "
             f"{report.get('torch_version', '?')}, {m.get('cpus', '?')} CPUs{load_s}, "
-            f"{report['config']['repeats']} interleaved repeats, chunk budget {report['config']['chunk_tokens']}, "
+            f"{report['config']['repeats']} interleaved repeats{' (shuffled)' if 'method_order' in report else ''}, "
+            f"chunk budget {report['config']['chunk_tokens']}, "
             f"host allocator {report.get('allocator', 'default (not recorded)').split(':')[0]}")
 
 
