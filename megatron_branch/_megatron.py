@@ -117,6 +117,11 @@ def megatron_core_version() -> tuple:
     return _package_info.MAJOR, _package_info.MINOR
 
 
+def megatron_core_release() -> str:
+    """The imported megatron-core's full version string (``"0.16.1"``), for reports."""
+    return str(_package_info.__version__)
+
+
 @dataclass(frozen=True)
 class MoERouterBehaviour:
     """How the installed release's ``TopKRouter`` scales and logs its router losses.
@@ -227,6 +232,7 @@ __all__ = [
     "get_gpt_decoder_block_spec",
     "get_gpt_layer_local_spec",
     "get_gpt_layer_with_transformer_engine_spec",
+    "megatron_core_release",
     "megatron_core_version",
     "moe_logged_metrics",
     "moe_router_behaviour",

@@ -40,6 +40,9 @@ def test_tiny_bench_report(tmp_path):
     report = run_bench(tiny_config(profile_shapes=["G=4"]), echo=lambda *_: None)
     assert report["schema_version"] == 2
     assert report["torch_version"] and report["machine"]["cpus"] >= 1  # what the timings ran on
+    from megatron.core import package_info
+
+    assert report["megatron_core_version"] == package_info.__version__  # 0.16.1 and 0.19.2 runs differ
     assert report["config"]["allocator"] == "default" and report["allocator"].startswith("default: ")
     assert len(report["shapes"]) == 3
     for shape in report["shapes"]:

@@ -42,7 +42,7 @@ from typing import Dict, List, Optional
 import torch
 
 from megatron_branch import losses
-from megatron_branch._megatron import gdn_unavailable_reason
+from megatron_branch._megatron import gdn_unavailable_reason, megatron_core_release
 from megatron_branch.commands.bench import allocator
 from megatron_branch.commands.bench.fixed_cost import add_bounds, fixed_cost_step, time_fixed_cost
 from megatron_branch.commands.bench.methods import prepare_methods
@@ -241,7 +241,8 @@ def _run_bench(cfg: BenchConfig, methods: Optional[List[str]], echo) -> dict:
     fixed_steps = {}  # per model kind: the stock step on a two-token rollout (fixed_cost.py)
     per_shape = 1 + cfg.repeats
     report = {"schema_version": SCHEMA_VERSION, "config": asdict(cfg), "torch_threads": torch.get_num_threads(),
-              "torch_version": torch.__version__, "machine": _machine(), "device": "cpu",
+              "torch_version": torch.__version__, "megatron_core_version": megatron_core_release(),
+              "machine": _machine(), "device": "cpu",
               "method_order": "listed, then shuffled per repeat (seeded)", "shapes": []}
     prepared_by_shape = {}
     started = time.perf_counter()

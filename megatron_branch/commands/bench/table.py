@@ -39,8 +39,10 @@ def config_line(report: dict) -> str:
     m = report.get("machine", {})
     load = m.get("load_average")
     load_s = f", load {load[0]:.2f} at the start" if load else ""
+    core = report.get("megatron_core_version")  # recorded from schema 2's later runs on
+    core_s = f", megatron-core {core}" if core else ""
     return (f"{config_label(report)}, {report['config']['num_layers']} layers, fp32, torch "
-            f"{report.get('torch_version', '?')}, {m.get('cpus', '?')} CPUs{load_s}, "
+            f"{report.get('torch_version', '?')}{core_s}, {m.get('cpus', '?')} CPUs{load_s}, "
             f"{report['config']['repeats']} interleaved repeats{' (shuffled)' if 'method_order' in report else ''}, "
             f"chunk budget {report['config']['chunk_tokens']}, "
             f"host allocator {report.get('allocator', 'default (not recorded)').split(':')[0]}")
