@@ -39,7 +39,7 @@ def config_line(report: dict) -> str:
     m = report.get("machine", {})
     load = m.get("load_average")
     load_s = f", load {load[0]:.2f} at the start" if load else ""
-    core = report.get("megatron_core_version")  # recorded from schema 2's later runs on
+    core = report.get("megatron_core_version")  # absent from runs before 87df636
     core_s = f", megatron-core {core}" if core else ""
     return (f"{config_label(report)}, {report['config']['num_layers']} layers, fp32, torch "
             f"{report.get('torch_version', '?')}{core_s}, {m.get('cpus', '?')} CPUs{load_s}, "
