@@ -118,8 +118,13 @@ def megatron_core_version() -> tuple:
 
 
 def megatron_core_release() -> str:
-    """The imported megatron-core's full version string (``"0.16.1"``), for reports."""
-    return str(_package_info.__version__)
+    """The imported megatron-core's release (``"0.16.1"``, ``"0.19.0rc0"``), for reports.
+
+    Composed from ``VERSION``, not ``__version__``: from 0.19 ``__version__`` appends the
+    commit of whatever git repository holds the installed files, which for a venv inside
+    a project checkout is the project's commit, not Megatron's.
+    """
+    return ".".join(map(str, _package_info.VERSION[:3])) + "".join(map(str, _package_info.VERSION[3:]))
 
 
 @dataclass(frozen=True)
