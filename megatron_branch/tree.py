@@ -89,16 +89,15 @@ def _as_token_arrays(sequences: Sequence[Rollout]) -> Tuple[List[np.ndarray], np
     return arrays, np.concatenate(arrays)
 
 
-def _lexicographic_order(arrays: List[np.ndarray], flat: Optional[np.ndarray] = None) -> np.ndarray:
+def _lexicographic_order(arrays: List[np.ndarray], flat: np.ndarray) -> np.ndarray:
     """Stable lexicographic order of rollouts (non-negative ids), a prefix before its extensions.
 
     Each rollout's key is its ids as big-endian unsigned bytes, whose byte order is the
     numeric order, and a prefix's bytes sort before its extensions': one memcmp per
     comparison. (``np.lexsort`` over the padded matrix makes one pass per column, tens of
     milliseconds on 16 rollouts of 4K tokens, inside every step.) ``flat``: the arrays
-    joined, if the caller has them.
+    joined (:func:`_as_token_arrays` makes the join once per build).
     """
-    flat = np.concatenate(arrays) if flat is None else flat
     data = flat.astype(">u8").tobytes()  # one conversion, then byte slices
     ends = (8 * np.cumsum([a.size for a in arrays])).tolist()
     keys = [data[start:end] for start, end in zip([0] + ends[:-1], ends)]
@@ -229,10 +228,8 @@ class BranchTree:
         return tree
 
     @classmethod
-    def _build(cls, arrays: List[np.ndarray], limits: Optional[np.ndarray] = None,
-               flat: Optional[np.ndarray] = None) -> "BranchTree":
+    def _build(cls, arrays: List[np.ndarray], limits: Optional[np.ndarray], flat: np.ndarray) -> "BranchTree":
         num = len(arrays)
-        flat = np.concatenate(arrays) if flat is None else flat
         lengths = np.array([a.size for a in arrays], dtype=np.int64)
         max_len = int(lengths.max())
         mat = np.full((num, max_len), -1, dtype=np.int64)

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from megatron.core import package_info
 
 from megatron_branch.commands.bench.run import (
     BenchConfig,
@@ -40,8 +41,6 @@ def test_tiny_bench_report(tmp_path):
     report = run_bench(tiny_config(profile_shapes=["G=4"]), echo=lambda *_: None)
     assert report["schema_version"] == 2
     assert report["torch_version"] and report["machine"]["cpus"] >= 1  # what the timings ran on
-    from megatron.core import package_info
-
     # 0.16.1 and 0.19.2 runs differ; no git suffix (0.19 appends the commit of the repo around the venv)
     assert report["megatron_core_version"] == package_info.__version__.split("+")[0]
     assert report["config"]["allocator"] == "default" and report["allocator"].startswith("default: ")
@@ -74,13 +73,17 @@ def test_tiny_bench_report(tmp_path):
             r = rows[name]
             assert r["chunk_tokens"] == budget and r["chunks"] >= 1, r
             _check_spread(r["fraction_of_one_pass"])
-            _check_spread(r["seconds_per_chunk"])
+            _check_spread(r["seconds_per_chunk"]), _check_spread(r["seconds_per_unit"])
+            # both spread one excess per repeat: over the chunks, and over the units after the first
+            for k in ("median", "min", "max"):
+                excess = r["seconds_per_chunk"][k] * r["chunks"]
+                assert abs(r["seconds_per_unit"][k] * max(r["chunks"] + r["stems"] - 1, 1) - excess) < 1e-9, r
             # the fixed-cost bound against one pass: at most one pass's speed, 100% with one unit
             _check_spread(r["one_pass_bound"]), _check_spread(r["fraction_of_one_pass_bound"])
             assert 0 < r["one_pass_bound"]["max"] <= 1.0 + 1e-12, r
         units = {n: rows[n]["chunks"] + rows[n]["stems"] for n in ("ours_stream", "ours_stream_small")}
         # the stock stack's cost per pass, timed in every repeat, and ours against the speed-up it allows
-        _check_spread(shape["fixed_cost_seconds"])
+        _check_spread(shape["fixed_cost_seconds"]), _check_spread(shape["fixed_cost_ours_seconds"])
         assert 0 < shape["fixed_cost_seconds"]["max"] < rows[shape["naive_reference"]]["seconds"]["max"]
         _check_spread(rows["ours"]["fixed_cost_bound"]), _check_spread(rows["ours"]["fraction_of_bound"])
         assert rows["ours"]["fixed_cost_bound"]["min"] > 1
@@ -100,6 +103,7 @@ def test_tiny_bench_report(tmp_path):
     table = format_table(report)
     assert "ideal FLOP ratio" in table and "ours_stream" in table and "naive_mb4" in table
     assert "where ours' gap" in table and "[" in table and "ms per chunk" in table
+    assert "ms per unit after the first" in table and "ours' one pass on it" in table
     assert "at naive's own cost per unit of work" in table
     plot(report, str(tmp_path / "bench.png"))
     assert (tmp_path / "bench.png").stat().st_size > 10_000

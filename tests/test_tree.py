@@ -175,4 +175,4 @@ def test_rollout_order_is_lexicographic_with_prefixes_first():
         mat = np.full((len(arrays), max(a.size for a in arrays)), -1, dtype=np.int64)
         for i, a in enumerate(arrays):
             mat[i, : a.size] = a
-        assert _lexicographic_order(arrays).tolist() == np.lexsort(mat.T[::-1]).tolist()
+        assert _lexicographic_order(arrays, np.concatenate(arrays)).tolist() == np.lexsort(mat.T[::-1]).tolist()

@@ -16,7 +16,9 @@ would take ``S + (T_naive - k * S) / ideal``, so its speed-up is at most::
 ``fraction_of_bound`` = speed-up / bound separates the cost both sides pay in Megatron's
 stack from ours' own excess (planner, merges, scoring). Streaming with ``u`` units (chunks
 and stems, each a pass through the stack) pays ``(u - 1) * S`` more than one pass, so its
-speed against one pass is at most ``T_ours / (T_ours + (u - 1) * S)``.
+speed against one pass is at most ``T_ours / (T_ours + (u - 1) * S)``. What a unit
+really adds is reported beside it: ``seconds_per_unit`` ((streaming - one pass) / (u - 1))
+and ours' own one pass on the same two-token rollout (``fixed_cost_ours_seconds``).
 """
 
 from __future__ import annotations
@@ -34,17 +36,21 @@ from megatron_branch.commands.synthetic import branching_rollouts
 CALLS_PER_REPEAT = 3  # S per repeat: the median of this many back-to-back steps
 
 
-def fixed_cost_step(models: Dict[str, torch.nn.Module], vocab: int, loss_for) -> Callable[[], None]:
-    """The stock naive step (``naive_mb1``) on one rollout of two tokens.
+def fixed_cost_step(models: Dict[str, torch.nn.Module], vocab: int, loss_for,
+                    method: str = "naive") -> Callable[[], None]:
+    """A step on one rollout of two tokens: the stock naive step (``naive_mb1``, ``S``), or
+    with ``method="ours"`` branch replay's one pass (the stack plus the tree build, plan
+    and scoring around it: what every streaming unit pays again).
 
     Args:
         models: the bench's ``{"cascade", ...}`` models.
         vocab: their vocabulary size.
         loss_for: ``batch -> loss_fn`` (the bench's GRPO-style loss).
+        method: ``"naive"`` or ``"ours"``.
     """
     batch = branching_rollouts([1], [1], [1], vocab, seed=0)
-    (naive,) = prepare_methods(models, batch, loss_for(batch), 1 << 30, ["naive"])
-    return naive.step
+    (step,) = prepare_methods(models, batch, loss_for(batch), 1 << 30, [method])
+    return step.step
 
 
 def time_fixed_cost(step: Callable[[], None], zero: Callable[[], None]) -> float:

@@ -256,7 +256,8 @@ def _run_bench(cfg: BenchConfig, methods: Optional[List[str]], echo) -> dict:
             kind = (shape.moe, shape.hybrid)
             if kind not in kinds:
                 kinds[kind] = _models(cfg, *kind)
-                fixed_steps[kind] = fixed_cost_step(kinds[kind], cfg.vocab_size, _loss)
+                fixed_steps[kind] = {m: fixed_cost_step(kinds[kind], cfg.vocab_size, _loss, m)
+                                     for m in ("naive", "ours")}
             models = kinds[kind]
             shape_m = _flop_shape(models["cascade"].config, cfg.vocab_size, models["cascade"])
             batch = shape.batch(cfg.vocab_size, cfg.seed)
@@ -267,7 +268,8 @@ def _run_bench(cfg: BenchConfig, methods: Optional[List[str]], echo) -> dict:
             ref = None
             diffs, memory = {}, {}
             _zero(models)
-            fixed_steps[kind]()  # warm
+            for fixed_step in fixed_steps[kind].values():  # warm
+                fixed_step()
             for p in runnable:
                 _zero(models)
                 with PeakMemory() as meter:
@@ -279,16 +281,18 @@ def _run_bench(cfg: BenchConfig, methods: Optional[List[str]], echo) -> dict:
                 diffs[p.name] = max(compare_grads(g, ref).values())
             bar.update(f"{shape.name}: exactness")
             times = {p.name: [] for p in runnable}
-            fixed = []
+            fixed, fixed_ours = [], []
             for repeat in range(cfg.repeats):
-                fixed.append(time_fixed_cost(fixed_steps[kind], lambda: _zero(models)))
+                fixed.append(time_fixed_cost(fixed_steps[kind]["naive"], lambda: _zero(models)))
+                fixed_ours.append(time_fixed_cost(fixed_steps[kind]["ours"], lambda: _zero(models)))
                 for p in timing_order(runnable, repeat):
                     _zero(models)
                     start = time.perf_counter()
                     p.step()
                     times[p.name].append(time.perf_counter() - start)
                 bar.update(f"{shape.name}: timing")
-            report["shapes"].append(_summarise(shape, batch, prepared, times, memory, diffs, shape_m, fixed))
+            report["shapes"].append(_summarise(shape, batch, prepared, times, memory, diffs, shape_m, fixed,
+                                               fixed_ours))
             prepared_by_shape[shape.name] = (models, batch, loss_fn, prepared, shape_m)
     report["seconds_main"] = time.perf_counter() - started
     if cfg.profile_shapes:
@@ -328,7 +332,7 @@ def _machine() -> dict:
     return {"cpus": os.cpu_count(), "load_average": list(load) if load else None}
 
 
-def _summarise(shape, batch, prepared, times, memory, diffs, shape_m, fixed) -> dict:
+def _summarise(shape, batch, prepared, times, memory, diffs, shape_m, fixed, fixed_ours) -> dict:
     naive_ideal = step_flops(shape_m, sum(batch.lengths), sum(causal_pairs(n) for n in batch.lengths))
     ours = next(p for p in prepared if p.name == "ours")
     ideal = naive_ideal["total"] / step_flops(shape_m, ours.positions, ours.attention_pairs)["total"]
@@ -354,14 +358,16 @@ def _summarise(shape, batch, prepared, times, memory, diffs, shape_m, fixed) -> 
         "shape": shape.name, "rollouts": len(batch.sequences), "segments": _segments(batch),
         "naive_positions": sum(batch.lengths), "unique_positions": ours.positions, "ideal_flop_ratio": ideal,
         "naive_flops_unpadded": naive_ideal["total"], "naive_reference": best,
-        "fixed_cost_seconds": spread(fixed), "methods": rows,
+        "fixed_cost_seconds": spread(fixed), "fixed_cost_ours_seconds": spread(fixed_ours), "methods": rows,
     }
 
 
 def _streaming_costs(rows, prepared, times) -> None:
     """Streaming rows get their units and their cost against one pass, paired per repeat:
-    ``fraction_of_one_pass`` (one pass's time / streaming's) and ``seconds_per_chunk``
-    ((streaming - one pass) / chunk units, the overhead each chunk adds)."""
+    ``fraction_of_one_pass`` (one pass's time / streaming's), ``seconds_per_chunk``
+    ((streaming - one pass) / chunk units) and ``seconds_per_unit`` ((streaming - one pass)
+    / (units - 1): what each pass after the first adds, stems included, to set beside the
+    fixed cost per pass)."""
     if "ours" not in times:
         return
     by_name = {p.name: p for p in prepared}
@@ -373,6 +379,8 @@ def _streaming_costs(rows, prepared, times) -> None:
         row.update(chunk_tokens=p.chunk_tokens, **p.stats)
         row["fraction_of_one_pass"] = spread([a / b for a, b in zip(one, t)])
         row["seconds_per_chunk"] = spread([(b - a) / max(p.stats["chunks"], 1) for a, b in zip(one, t)])
+        extra = max(p.stats["chunks"] + p.stats["stems"] - 1, 1)
+        row["seconds_per_unit"] = spread([(b - a) / extra for a, b in zip(one, t)])
 
 
 def _segments(batch) -> int:
@@ -407,18 +415,23 @@ def format_table(report: dict) -> str:
             )
         for r in s["methods"]:
             if "fraction_of_bound" in r:
-                lines.append(f"  fixed cost of a pass through the stack {1e3 * s['fixed_cost_seconds']['median']:.1f} ms: "
+                ours_s = (f" (ours' one pass on it {1e3 * s['fixed_cost_ours_seconds']['median']:.1f} ms)"
+                          if "fixed_cost_ours_seconds" in s else "")
+                lines.append(f"  fixed cost of a pass through the stack {1e3 * s['fixed_cost_seconds']['median']:.1f} ms"
+                             f"{ours_s}: "
                              f"{r['method']} at most {r['fixed_cost_bound']['median']:.2f}x with it, reaches "
                              f"{100 * r['fraction_of_bound']['median']:.0f}% of that")
             if "fraction_of_one_pass" in r:
                 f, c = r["fraction_of_one_pass"], r["seconds_per_chunk"]
+                unit = (f", {1e3 * r['seconds_per_unit']['median']:+.1f} ms per unit after the first"
+                        if "seconds_per_unit" in r else "")
                 bound = (f"; at most {100 * r['one_pass_bound']['median']:.0f}% with the fixed cost per unit, "
                          f"{100 * r['fraction_of_one_pass_bound']['median']:.0f}% of that"
                          if "one_pass_bound" in r else "")
                 lines.append(f"  {r['method']}: budget {r['chunk_tokens']}, {r['chunks']} chunks + {r['stems']} stems; "
                              f"{100 * f['median']:.0f}% of one pass's speed "
                              f"[{100 * f['min']:.0f}-{100 * f['max']:.0f}], "
-                             f"{1e3 * c['median']:+.1f} ms per chunk{bound}")
+                             f"{1e3 * c['median']:+.1f} ms per chunk{unit}{bound}")
     for s in report.get("skipped_shapes", []):
         lines.append(f"\n{s['shape']}: skipped: {s['skipped']}")
     lines.append("\nkernels: " + "; ".join(f"{r['method']}: {r['kernel']}" for r in report["shapes"][0]["methods"]))
