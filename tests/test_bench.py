@@ -113,10 +113,17 @@ def test_tiny_bench_report(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "megatron_branch.cli", "bench", "--table", str(path), str(path)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+    # streaming's cost per unit beside the fixed cost of a pass (S and ours' own)
+    assert "streaming per unit after the first" in proc.stdout
+    first = report["shapes"][0]
+    stream = next(r for r in first["methods"] if r["method"] == "ours_stream")
+    assert (f"| {1e3 * first['fixed_cost_seconds']['median']:.1f} / {1e3 * first['fixed_cost_ours_seconds']['median']:.1f}"
+            f" / {1e3 * stream['seconds_per_unit']['median']:+.1f} ({stream['chunks'] + stream['stems']}) |") in proc.stdout
     ours = next(r for r in report["shapes"][0]["methods"] if r["method"] == "ours")
     assert f"**{ours['speedup']['median']:.2f}x**" in proc.stdout  # the run's own number
     assert "hidden 64 (4 heads / 2 KV), 1 thread" in proc.stdout and "% of one pass" in proc.stdout
-    assert proc.stdout.count("| G=4 |") == 4  # two run tables, the comparison and the fixed-cost bounds
+    # two run tables, the comparison, the fixed-cost bounds and the cost per streaming unit
+    assert proc.stdout.count("| G=4 |") == 5
     assert "% of bound" in proc.stdout and "fixed cost of a pass through the stack" in table
     # the profile's categories, once per run that has them, with the run's own numbers
     assert proc.stdout.count("where ours' gap goes (--profile; seconds)") == 2

@@ -3,7 +3,8 @@
 The README's and ``docs/benchmarks.md``'s tables are this module's output on the JSON
 files in ``docs/``, so the published numbers are exactly the measured ones: one detailed
 table per run (:func:`run_table`) and one comparison across runs, a column per
-configuration (:func:`comparison_table`), the fixed-cost bounds (:func:`bound_table`), and
+configuration (:func:`comparison_table`), the fixed-cost bounds (:func:`bound_table`), what
+a streaming unit costs against a pass (:func:`unit_cost_table`), and
 for a run that has them, where ours' gap goes (:func:`profile_table`, ``--profile``) and the
 real peer (:func:`peer_table`, ``--peer``).
 """
@@ -167,6 +168,33 @@ def bound_table(reports: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def unit_cost_table(reports: Sequence[dict]) -> str:
+    """What streaming pays per unit after the first, beside the fixed cost of a pass: the
+    stock stack's ``S`` and ours' one pass on the same two-token rollout (tree, plan and
+    scoring included), per shape; a column per configuration whose runs recorded ours'
+    fixed cost (from 89bfeb2 on)."""
+    reports = [r for r in reports if any("fixed_cost_ours_seconds" in s for s in r["shapes"])]
+    if not reports:
+        return ""
+    columns = _columns(reports)
+    head = ("| shape | " + " | ".join(f"S / ours' pass / streaming per unit after the first, ms (units) ({lab})"
+                                       for lab, _ in columns) + " |")
+    lines = [head, "|---|" + "---|" * len(columns)]
+    for name in _shape_names(reports):
+        cells = []
+        for _, runs in columns:
+            s = _shape(runs, name)
+            stream = _rows(s).get("ours_stream", {}) if s else {}
+            if not s or "fixed_cost_ours_seconds" not in s or "seconds_per_unit" not in stream:
+                cells.append("-")
+                continue
+            cells.append(f"{1e3 * s['fixed_cost_seconds']['median']:.1f} / "
+                         f"{1e3 * s['fixed_cost_ours_seconds']['median']:.1f} / "
+                         f"{1e3 * stream['seconds_per_unit']['median']:+.1f} ({stream['chunks'] + stream['stems']})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _spread(x: dict) -> str:
     return f"{x['median']:.2f}x ({x['min']:.2f}–{x['max']:.2f})"
 
@@ -216,9 +244,7 @@ def markdown(paths: Sequence[str]) -> str:
     parts = [f"{path}:\n\n{run_table(r)}" for path, r in zip(paths, reports)]
     if len(reports) > 1:
         parts.append(comparison_table(reports))
-    bounds = bound_table(reports)
-    if bounds:
-        parts.append(bounds)
+    parts += [t for t in (bound_table(reports), unit_cost_table(reports)) if t]
     for title, render in (("where ours' gap goes (--profile; seconds)", profile_table),
                           ("the real peer (--peer)", peer_table)):
         parts += [f"{path}, {title}:\n\n{t}" for path, r in zip(paths, reports) if (t := render(r))]
