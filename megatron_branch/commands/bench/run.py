@@ -417,8 +417,8 @@ def format_table(report: dict) -> str:
             if "fraction_of_bound" in r:
                 ours_s = (f" (ours' one pass on it {1e3 * s['fixed_cost_ours_seconds']['median']:.1f} ms)"
                           if "fixed_cost_ours_seconds" in s else "")
-                lines.append(f"  fixed cost of a pass through the stack {1e3 * s['fixed_cost_seconds']['median']:.1f} ms"
-                             f"{ours_s}: "
+                stock_s = 1e3 * s["fixed_cost_seconds"]["median"]
+                lines.append(f"  fixed cost of a pass through the stack {stock_s:.1f} ms{ours_s}: "
                              f"{r['method']} at most {r['fixed_cost_bound']['median']:.2f}x with it, reaches "
                              f"{100 * r['fraction_of_bound']['median']:.0f}% of that")
             if "fraction_of_one_pass" in r:
