@@ -301,3 +301,39 @@ def test_fused_pieces_merge_run_by_run_exactly(kernel, sequences, monkeypatch):
     assert (out - ref).abs().max() < 1e-5
     for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
         assert (a - b).abs().max() < 1e-5
+
+
+def _flash_cpu_pieces(batch, nq, nk, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, n, h, 16, generator=gen) for n, h in ((nq, 4), (nk, 2), (nk, 2)))
+    return q, k, v
+
+
+@pytest.mark.parametrize("nk", [8, 63, 64])
+def test_flash_cpu_few_keys_run_on_one_thread_bitwise_as_on_many(nk):
+    """A flash_cpu call on pieces of fewer than FLASH_CPU_SERIAL_KEYS keys runs on one
+    intra-op thread (it is slower on two); the values must not depend on the thread count,
+    forward and backward, or the gate would change results."""
+    from megatron_branch.attention import kernels
+
+    seen = []
+    real = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    q, k, v = _flash_cpu_pieces(12, 40, nk)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out2, lse2 = real(*(kernels._bhsd(x) for x in (q, k, v)), 0.0, True, scale=0.25)  # ungated, two threads
+        dout = torch.randn(out2.shape, generator=torch.Generator().manual_seed(1))
+        grads2 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, *(kernels._bhsd(x) for x in (q, k, v)), out2, lse2, 0.0, True, scale=0.25)
+        with kernels.serial_if_few_keys(nk):
+            seen.append(torch.get_num_threads())
+        out, lse = kernels.flash_cpu_forward(q, k, v, True, 0.25)
+        grads = kernels.flash_cpu_backward(kernels._back(dout, True), q, k, v, out, lse, True, 0.25)
+        assert torch.get_num_threads() == 2  # restored
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [1 if nk < kernels.FLASH_CPU_SERIAL_KEYS else 2]
+    assert torch.equal(out, kernels._back(out2, True)) and torch.equal(lse, lse2)
+    for got, want in zip(grads, grads2):
+        assert torch.equal(got, kernels._back(want, True))

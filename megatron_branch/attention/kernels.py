@@ -11,7 +11,9 @@ requires: ``P = exp(S - lse_merged)``, ``D = rowsum(dO * O_merged)``.
 
 * ``flash_cpu``: torch's fused CPU flash-attention kernel
   (``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward) — the same
-  kernel family torch's SDPA uses on CPU, memory O(n * head_dim).
+  kernel family torch's SDPA uses on CPU, memory O(n * head_dim). Calls on pieces of
+  fewer than :data:`FLASH_CPU_SERIAL_KEYS` keys run on one intra-op thread
+  (:func:`serial_if_few_keys`).
 * ``math``: plain matmuls in float32 on any device; memory O(nq * nk * heads), so the
   caller tiles keys as well as queries. The default off CPU until ``flash_cuda`` has
   passed ``tools/gpu_check.py`` on a GPU.
@@ -27,6 +29,7 @@ output columns whose gradient is zero, so every kept number is the unpadded one.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Optional, Tuple
 
@@ -49,10 +52,44 @@ def _back(x: Tensor, batched: bool) -> Tensor:
     return x.transpose(1, 2) if batched else x[0].transpose(0, 1)
 
 
+# torch's CPU flash kernel runs a call as (piece, head, query block) tasks over the intra-op
+# threads. On pieces of few keys a task takes microseconds, and a second thread made such
+# calls slower, not faster, on the 2-core machines the bench runs on: 250 causal pieces of
+# 16 x 16 (4 heads of 32) took 2.8 ms forward and 5.9 ms backward on one thread, 6.7 and
+# 12.2 ms on two; 500 of 8 x 8 3.1 / 7.5 against 8.0 / 14.6 ms. From 64 keys on, two
+# threads were as fast or faster (8 x 256 x 64: 1.8 against 2.3 ms forward).
+FLASH_CPU_SERIAL_KEYS = 64
+
+
+@contextlib.contextmanager
+def _intra_op_threads(threads: int):
+    restore = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(restore)
+
+
+def serial_if_few_keys(num_keys: int):
+    """A context running torch's CPU flash kernel on one intra-op thread when a piece has
+    fewer than :data:`FLASH_CPU_SERIAL_KEYS` keys (a no-op otherwise, or on one thread).
+
+    Every task of the kernel computes its own output rows, forward and backward, so the
+    values do not depend on the thread count (bitwise: ``tests/test_attention.py``); only
+    the time does. The thread count is torch's process-wide setting: for the duration of
+    the call, other threads' torch ops also run on one thread.
+    """
+    if num_keys >= FLASH_CPU_SERIAL_KEYS or torch.get_num_threads() == 1:
+        return contextlib.nullcontext()
+    return _intra_op_threads(1)
+
+
 def flash_cpu_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, scale=scale
-    )
+    with serial_if_few_keys(k.shape[-3]):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, scale=scale
+        )
     batched = q.dim() == 4
     # out [B, h, nq, d] -> [(B,) nq, h, d]; lse [B, h, nq] -> [(B,) h, nq]
     return _back(out, batched), (lse if batched else lse[0])
@@ -61,10 +98,11 @@ def flash_cpu_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: floa
 def flash_cpu_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), _blse(lse).contiguous(),
-        0.0, causal, scale=scale,
-    )
+    with serial_if_few_keys(k.shape[-3]):
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), _blse(lse).contiguous(),
+            0.0, causal, scale=scale,
+        )
     batched = q.dim() == 4
     return _back(dq, batched), _back(dk, batched), _back(dv, batched)
 
