@@ -1,0 +1,39 @@
+"""``tools/flash_cpu_threads.py`` runs and reports (the timing itself is the tool's job)."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(ROOT, "tools", "flash_cpu_threads.py")
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("flash_cpu_threads", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_kernel_table_has_a_row_per_shape_and_names_the_gate():
+    from megatron_branch.attention.kernels import FLASH_CPU_SERIAL_KEYS
+
+    tool = _tool()
+    threads = torch.get_num_threads()
+    rows = tool.kernel_table(2, 1)
+    assert torch.get_num_threads() == threads  # restored
+    assert len(rows) == 2 + len(tool.SHAPES)
+    for (b, nq, nk), row in zip(tool.SHAPES, rows[2:]):
+        assert row.startswith(f"| {b} x {nq} x {nk} |")
+        assert row.endswith("| 1 thread |" if nk < FLASH_CPU_SERIAL_KEYS else "| 2 threads |")
+
+
+def test_bad_flags_fail_in_one_line_before_timing():
+    for args, flag in ((["--threads", "0"], "--threads"), (["--step", "no such shape"], "--step"),
+                       (["--step", "G=16"], "--step")):
+        proc = subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert flag in proc.stderr.splitlines()[-1] and "Traceback" not in proc.stderr
