@@ -4,6 +4,8 @@ The *naive truth* is a GPTModel built with Megatron's stock local spec and the s
 weights, each rollout run alone with a causal mask (``megatron_branch.reference.naive``).
 """
 
+import importlib.util
+import os
 import warnings
 
 import pytest
@@ -18,6 +20,15 @@ from megatron_branch.distributed import init_distributed  # noqa: E402
 from megatron_branch.spec.builders import build_gpt, llama_config  # noqa: E402
 
 VOCAB = 128
+TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+
+
+def load_tool(name: str):
+    """The module of the script ``tools/<name>.py`` (tools are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(TOOLS, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="session", autouse=True)

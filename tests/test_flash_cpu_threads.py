@@ -1,21 +1,17 @@
 """``tools/flash_cpu_threads.py`` runs and reports (the timing itself is the tool's job)."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 
 import torch
+from conftest import TOOLS, load_tool
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOOL = os.path.join(ROOT, "tools", "flash_cpu_threads.py")
+TOOL = os.path.join(TOOLS, "flash_cpu_threads.py")
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("flash_cpu_threads", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("flash_cpu_threads")
 
 
 def test_kernel_table_has_a_row_per_shape_and_names_the_gate():

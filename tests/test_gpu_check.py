@@ -1,23 +1,19 @@
 """``tools/gpu_check.py`` tells the truth on a machine without a GPU: it refuses to run,
 and its report cannot pass by skipping (the section logic runs here on plain functions)."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import TOOLS, load_tool
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOOL = os.path.join(ROOT, "tools", "gpu_check.py")
+TOOL = os.path.join(TOOLS, "gpu_check.py")
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("gpu_check", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("gpu_check")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the check itself runs there")
