@@ -1,7 +1,7 @@
 """torch's CPU flash kernel on pieces of few keys, on one thread and on several.
 
     python tools/flash_cpu_threads.py                       # the kernel table, ~1 minute on 2 cores
-    python tools/flash_cpu_threads.py --step agentic        # also the bench's forest step, gate on/off (~3 min)
+    python tools/flash_cpu_threads.py --step agentic        # also the bench's forest step, gate on/off (~1 min)
 
 ``megatron_branch.attention.kernels`` runs a ``flash_cpu`` call on pieces of fewer than
 ``FLASH_CPU_SERIAL_KEYS`` keys on one intra-op thread. This prints the measurement behind
@@ -12,7 +12,7 @@ that choice, side by side in one process (interleaved rounds, medians):
   ``--threads``, and the ratio; ``gate`` says which the kernel wrapper uses;
 * ``--step SHAPE``: the bench's step of ours (one pass) on that bench shape (hidden 128,
   the bench's models and loss) with the gate on and off (``FLASH_CPU_SERIAL_KEYS = 0``),
-  paired per round, and the naive reference beside them.
+  paired per round.
 
 The values are bitwise the same either way (``tests/test_attention.py``); only time moves.
 """
@@ -45,13 +45,11 @@ def _medians(steps: Dict[str, Callable[[], None]], rounds: int) -> Dict[str, flo
 
 
 def _on_threads(threads: int, fn: Callable[[], object]) -> Callable[[], None]:
+    from megatron_branch.attention.kernels import intra_op_threads
+
     def run():
-        restore = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
+        with intra_op_threads(threads):
             fn()
-        finally:
-            torch.set_num_threads(restore)
     return run
 
 
@@ -99,22 +97,20 @@ def step_ab(shape_name: str, threads: int, rounds: int) -> List[str]:
     methods = {p.name: p for p in prepare_methods(models, batch, bench._loss(batch), cfg.chunk_tokens, ["ours"])}
     gate = kernels.FLASH_CPU_SERIAL_KEYS
     times: Dict[str, List[float]] = {"on": [], "off": []}
-    restore = torch.get_num_threads()
-    torch.set_num_threads(threads)
     try:
-        for keys in (gate, 0):
-            kernels.FLASH_CPU_SERIAL_KEYS = keys
-            methods["ours"].step()  # warm
-        for _ in range(rounds):
-            for name, keys in (("on", gate), ("off", 0)):
+        with kernels.intra_op_threads(threads):
+            for keys in (gate, 0):
                 kernels.FLASH_CPU_SERIAL_KEYS = keys
-                bench._zero(models)
-                start = time.perf_counter()
-                methods["ours"].step()
-                times[name].append(time.perf_counter() - start)
+                methods["ours"].step()  # warm
+            for _ in range(rounds):
+                for name, keys in (("on", gate), ("off", 0)):
+                    kernels.FLASH_CPU_SERIAL_KEYS = keys
+                    bench._zero(models)
+                    start = time.perf_counter()
+                    methods["ours"].step()
+                    times[name].append(time.perf_counter() - start)
     finally:
         kernels.FLASH_CPU_SERIAL_KEYS = gate
-        torch.set_num_threads(restore)
     on, off = statistics.median(times["on"]), statistics.median(times["off"])
     paired = statistics.median([a / b for a, b in zip(times["off"], times["on"])])
     return [f"{shape.name}, hidden {cfg.hidden_size}, {threads} threads, ours' one pass over {rounds} paired rounds: "

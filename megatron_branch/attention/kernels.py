@@ -54,15 +54,16 @@ def _back(x: Tensor, batched: bool) -> Tensor:
 
 # torch's CPU flash kernel runs a call as (piece, head, query block) tasks over the intra-op
 # threads. On pieces of few keys a task takes microseconds, and a second thread made such
-# calls slower, not faster, on the 2-core machines the bench runs on: 250 causal pieces of
-# 16 x 16 (4 heads of 32) took 2.8 ms forward and 5.9 ms backward on one thread, 6.7 and
-# 12.2 ms on two; 500 of 8 x 8 3.1 / 7.5 against 8.0 / 14.6 ms. From 64 keys on, two
-# threads were as fast or faster (8 x 256 x 64: 1.8 against 2.3 ms forward).
+# calls slower, not faster, on the 2-core machines the bench runs on (250 causal pieces of
+# 16 x 16: 1.5-2x slower forward and backward on two threads than on one); from 64 keys on
+# the result is mixed, and wide pieces gain from every thread. `python
+# tools/flash_cpu_threads.py` prints the measurement on the machine at hand.
 FLASH_CPU_SERIAL_KEYS = 64
 
 
 @contextlib.contextmanager
-def _intra_op_threads(threads: int):
+def intra_op_threads(threads: int):
+    """torch's intra-op thread count set to ``threads`` inside, restored after."""
     restore = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -82,7 +83,7 @@ def serial_if_few_keys(num_keys: int):
     """
     if num_keys >= FLASH_CPU_SERIAL_KEYS or torch.get_num_threads() == 1:
         return contextlib.nullcontext()
-    return _intra_op_threads(1)
+    return intra_op_threads(1)
 
 
 def flash_cpu_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
