@@ -7,7 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_branch import BranchTree
-from megatron_branch.attention import cascade_attention, dense_tree_attention, plan_pieces
+from megatron_branch.attention import cascade_attention, dense_tree_attention, kernels, plan_pieces
 
 
 def _tree(seed=0, vocab=50):
@@ -314,8 +314,6 @@ def test_flash_cpu_few_keys_run_on_one_thread_bitwise_as_on_many(nk):
     """A flash_cpu call on pieces of fewer than FLASH_CPU_SERIAL_KEYS keys runs on one
     intra-op thread (it is slower on two); the values must not depend on the thread count,
     forward and backward, or the gate would change results."""
-    from megatron_branch.attention import kernels
-
     seen = []
     real = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     q, k, v = _flash_cpu_pieces(12, 40, nk)

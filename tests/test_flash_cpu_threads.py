@@ -7,6 +7,8 @@ import sys
 import torch
 from conftest import TOOLS, load_tool
 
+from megatron_branch.attention.kernels import FLASH_CPU_SERIAL_KEYS
+
 TOOL = os.path.join(TOOLS, "flash_cpu_threads.py")
 
 
@@ -15,8 +17,6 @@ def _tool():
 
 
 def test_kernel_table_has_a_row_per_shape_and_names_the_gate():
-    from megatron_branch.attention.kernels import FLASH_CPU_SERIAL_KEYS
-
     tool = _tool()
     threads = torch.get_num_threads()
     rows = tool.kernel_table(2, 1)

@@ -27,6 +27,13 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
+from megatron_branch.attention import kernels
+from megatron_branch.commands.bench import allocator
+from megatron_branch.commands.bench import run as bench
+from megatron_branch.commands.bench.methods import prepare_methods
+from megatron_branch.cpu import enable_cpu
+from megatron_branch.distributed import init_distributed
+
 # (pieces, queries, keys): the agentic forest's batches (16-token turns) and wider ones
 SHAPES: List[Tuple[int, int, int]] = [(250, 16, 16), (64, 80, 16), (500, 8, 8), (125, 32, 32), (64, 48, 48),
                                       (64, 64, 64), (8, 256, 64), (1, 1471, 128)]
@@ -45,18 +52,14 @@ def _medians(steps: Dict[str, Callable[[], None]], rounds: int) -> Dict[str, flo
 
 
 def _on_threads(threads: int, fn: Callable[[], object]) -> Callable[[], None]:
-    from megatron_branch.attention.kernels import intra_op_threads
-
     def run():
-        with intra_op_threads(threads):
+        with kernels.intra_op_threads(threads):
             fn()
     return run
 
 
 def kernel_table(threads: int, rounds: int) -> List[str]:
     """Markdown rows: the raw kernel on one thread and on ``threads``, forward and backward."""
-    from megatron_branch.attention.kernels import FLASH_CPU_SERIAL_KEYS
-
     fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
     rows = [f"| pieces x queries x keys | forward ms, 1 / {threads} threads | backward ms, 1 / {threads} threads "
@@ -71,7 +74,7 @@ def kernel_table(threads: int, rounds: int) -> List[str]:
         g = lambda: bwd(dout, q, k, v, out, lse, 0.0, True, scale=32 ** -0.5)  # noqa: E731
         t = _medians({"f1": _on_threads(1, f), "fn": _on_threads(threads, f),
                       "b1": _on_threads(1, g), "bn": _on_threads(threads, g)}, rounds)
-        gate = "1 thread" if nk < FLASH_CPU_SERIAL_KEYS else f"{threads} threads"
+        gate = "1 thread" if nk < kernels.FLASH_CPU_SERIAL_KEYS else f"{threads} threads"
         rows.append(f"| {b} x {nq} x {nk} | {1e3 * t['f1']:.2f} / {1e3 * t['fn']:.2f} | "
                     f"{1e3 * t['b1']:.2f} / {1e3 * t['bn']:.2f} | {t['fn'] / t['f1']:.2f}x, {t['bn'] / t['b1']:.2f}x "
                     f"| {gate} |")
@@ -80,13 +83,6 @@ def kernel_table(threads: int, rounds: int) -> List[str]:
 
 def step_ab(shape_name: str, threads: int, rounds: int) -> List[str]:
     """Ours' one-pass step on a bench shape with the gate on and off, paired per round."""
-    from megatron_branch.attention import kernels
-    from megatron_branch.commands.bench import allocator
-    from megatron_branch.commands.bench import run as bench
-    from megatron_branch.commands.bench.methods import prepare_methods
-    from megatron_branch.cpu import enable_cpu
-    from megatron_branch.distributed import init_distributed
-
     enable_cpu()
     init_distributed()
     allocator.apply(allocator.KEEP)
@@ -119,9 +115,7 @@ def step_ab(shape_name: str, threads: int, rounds: int) -> List[str]:
 
 def _one_shape(name: str):
     """The one bench shape ``name`` selects (``ValueError`` naming the shapes otherwise)."""
-    from megatron_branch.commands.bench.run import BenchConfig, select_shapes
-
-    shapes = select_shapes(BenchConfig.full().shapes, [name])
+    shapes = bench.select_shapes(bench.BenchConfig.full().shapes, [name])
     if len(shapes) != 1:
         raise ValueError(f"--step: {name!r} matches {len(shapes)} shapes ({[s.name for s in shapes]}); name one")
     return shapes[0]
