@@ -109,6 +109,16 @@ class TreeRecurrencePlan:
         return cls(num_tokens, ancestors, levels, top)
 
 
+def gather_rows(x: Tensor, index: Tensor) -> Tensor:
+    """``x[index]`` for ``x [U, ...]`` and an index of any shape: ``[*index.shape, ...]``.
+
+    Through ``index_select``, whose backward (``index_add_``) is 1.5-3x faster on the CPU
+    than advanced indexing's (``index_put_`` with accumulation, which also runs slower on
+    two threads than on one); the values are the same.
+    """
+    return x.index_select(0, index.reshape(-1)).view(tuple(index.shape) + tuple(x.shape[1:]))
+
+
 def _with_zero_row(x: Tensor) -> Tensor:
     # [U, ...] -> [U + 1, ...]: index U reads zeros
     return torch.cat([x, x.new_zeros((1,) + tuple(x.shape[1:]))])
@@ -142,7 +152,7 @@ def tree_causal_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], plan: Tr
             rows = torch.cat([path_tail, rows])
             index = index + path_tail.shape[0]
         for j in range(w - 1):
-            out = out + rows[index[:, j]] * taps[:, w - 2 - j]
+            out = out + gather_rows(rows, index[:, j]) * taps[:, w - 2 - j]
     if bias is not None:
         out = out + bias
     return out
@@ -168,7 +178,7 @@ def tree_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, plan: Tr
     final: List[Optional[Tensor]] = [None] * (max((s for lv in plan.levels for s in lv.segments), default=-1) + 1)
     out = q.new_zeros((n + 1, h, dv))
     for level in plan.levels:
-        qb, kb, vb, gb, bb = (t[level.index] for t in padded)  # [B, L, H, ...]
+        qb, kb, vb, gb, bb = (gather_rows(t, level.index) for t in padded)  # [B, L, H, ...]
         state_dtype = torch.promote_types(v.dtype, torch.float32)  # kernels keep states in float32 at least
         starts = []
         for p in level.parents:
