@@ -9,7 +9,7 @@ are context only (loss mask 0), and every policy turn gets its own GRPO advantag
 accuracy, normalised within the prompt's group at the same turn). ``--naive`` computes the
 same update with every rollout run in full; the two agree to float rounding.
 
-    python examples/agentic_tool_grpo.py --steps 200 --plot agentic.png
+    python examples/agentic_tool_grpo.py --steps 200 --plot results/agentic_reward.png
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ computes group-relative advantages and updates the policy with one exact branch-
 step (``mb.replay_step``) and AdamW. ``--naive`` computes the same update with every
 rollout run in full (a padded batch): the losses agree to ~1e-6 while it is slower.
 
-    python examples/grpo_tree.py --steps 300 --plot reward.png
+    python examples/grpo_tree.py --steps 300 --plot results/grpo_reward.png
 """
 
 from __future__ import annotations

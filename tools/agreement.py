@@ -1,7 +1,7 @@
 """Agreement tables of the docs, computed and written to JSON by one command each.
 
-    python tools/agreement.py training --out docs/agreement_training.json   # ~3 minutes on 2 cores
-    python tools/agreement.py moe --out docs/agreement_moe.json             # ~1 minute
+    python tools/agreement.py training --out results/agreement_training.json   # ~3 minutes on 2 cores
+    python tools/agreement.py moe --out results/agreement_moe.json             # ~1 minute
 
 ``training``: ``examples/train_branch_replay.py`` under torchrun (gloo, CPU) on several
 TP/CP/PP/DP layouts, 3 Megatron-Adam steps, against ``--naive`` (Megatron's stock spec,
@@ -191,9 +191,9 @@ def moe(echo=print) -> dict:
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("table", choices=["training", "moe"])
-    p.add_argument("--out", default=None, help="the JSON (default docs/agreement_TABLE.json)")
+    p.add_argument("--out", default=None, help="the JSON (default results/agreement_TABLE.json)")
     args = p.parse_args(argv)
-    out = args.out or os.path.join(ROOT, "docs", f"agreement_{args.table}.json")
+    out = args.out or os.path.join(ROOT, "results", f"agreement_{args.table}.json")
     result = training() if args.table == "training" else moe()
     with open(out, "w") as f:
         json.dump(result, f, indent=2)

@@ -1,7 +1,7 @@
 """The GPU check: one prepared run on one GPU that tells the truth; writes a JSON report.
 
     python tools/gpu_check.py --quick                  # < 5 minutes on one H200
-    python tools/gpu_check.py --out docs/gpu_check.json
+    python tools/gpu_check.py --out results/gpu_check.json
 
 Sections (each reports ``status``: ``passed``, ``failed`` or ``skipped`` with its
 ``reason``; the run passes only when every section passed — a needed section that could
@@ -278,7 +278,7 @@ def check_timing(quick: bool, min_fraction: float) -> dict:
 # --------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=os.path.join(ROOT, "docs", "gpu_check.json"), help="the JSON report")
+    p.add_argument("--out", default=os.path.join(ROOT, "results", "gpu_check.json"), help="the JSON report")
     p.add_argument("--quick", action="store_true", help="smaller shapes; fits in 5 minutes on one GPU")
     p.add_argument("--min-fraction", type=float, default=0.5,
                    help="timing passes at this fraction of the ideal position ratio")

@@ -25,7 +25,8 @@ are reported against the speed-ups that cost allows (:mod:`megatron_branch.comma
 ``profile`` adds a torch.profiler breakdown of where ours' gap to the ideal ratio goes
 (:mod:`megatron_branch.commands.bench.profile`); ``peer`` compares with the real
 ``prefix_grouper`` package on a Hugging Face Llama (:mod:`megatron_branch.commands.bench.peer`).
-Output: a table, ``bench.json`` and ``bench.png``.
+Output: a table, ``bench.json`` and ``bench.png``; ``--publish`` also merges the run into its
+configuration's file in the results folder (:mod:`megatron_branch.commands.bench.results`).
 """
 
 from __future__ import annotations
@@ -43,13 +44,13 @@ import torch
 
 from megatron_branch import losses
 from megatron_branch._megatron import gdn_unavailable_reason, megatron_core_release
-from megatron_branch.commands.bench import allocator
+from megatron_branch.commands.bench import allocator, results
 from megatron_branch.commands.bench.fixed_cost import add_bounds, fixed_cost_step, time_fixed_cost
 from megatron_branch.commands.bench.methods import prepare_methods
 from megatron_branch.commands.bench.peer import format_peer, run_peer
 from megatron_branch.commands.bench.profile import format_profile, profile_gap
 from megatron_branch.commands.bench.stats import spread
-from megatron_branch.commands.bench.table import markdown
+from megatron_branch.commands.bench.table import config_label, markdown
 from megatron_branch.commands.bench.thd import run_thd
 from megatron_branch.commands.progress import Progress
 from megatron_branch.commands.synthetic import RolloutBatch, branching_rollouts
@@ -517,10 +518,15 @@ def select_shapes(shapes: List[Shape], wanted: List[str]) -> List[Shape]:
 
 
 def main(args) -> int:
-    if args.table:
+    if args.table is not None:
         print(markdown(args.table))
         return 0
+    if args.publish and (args.quick or args.methods):
+        flag = "--quick" if args.quick else "--methods"
+        raise ValueError(f"--publish: a {flag} run is not a configuration's result; publish full runs only "
+                         "(--shapes may select a few shapes)")
     cfg = BenchConfig.quick() if args.quick else BenchConfig.full()
+    order = [s.name for s in cfg.shapes]
     if args.repeats:
         cfg.repeats = args.repeats
     if args.chunk_tokens:
@@ -543,7 +549,7 @@ def main(args) -> int:
         cfg.profile_shapes = []
     if args.allocator:
         cfg.allocator = args.allocator
-    report = run_bench(cfg, args.methods)
+    report = results.stamp(run_bench(cfg, args.methods))
     print(format_table(report))
     os.makedirs(args.out, exist_ok=True)
     json_path, png_path = os.path.join(args.out, "bench.json"), os.path.join(args.out, "bench.png")
@@ -551,6 +557,10 @@ def main(args) -> int:
         json.dump(report, f, indent=2)
     plot(report, png_path)
     print(f"\nwrote {json_path} and {png_path}")
+    if args.publish:
+        path, merged = results.publish(report, args.publish, config_label(report), order)
+        plot(merged, path[: -len(".json")] + ".png")
+        print(f"published: {path} (and its plot) now holds this run's shapes; {args.publish}/manifest.json lists it")
     return 0
 
 
@@ -575,10 +585,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--shapes", nargs="+", default=None, metavar="NAME",
                         help="run only these shapes: a shape's whole name selects it alone, any other word every shape "
                              "whose name contains it (e.g. 'G=16 p/r=1' agentic 4096)")
-    parser.add_argument("--table", nargs="+", default=None, metavar="JSON",
-                        help="print the markdown tables of these bench.json files and exit (runs nothing): one per "
-                             "run and, for several, ours' %% of ideal and streaming's %% of one pass side by side; then the "
-                             "fixed-cost bounds, and the --profile and --peer tables of the runs that have them")
+    parser.add_argument("--table", nargs="*", default=None, metavar="JSON",
+                        help="print the markdown tables and exit (runs nothing): of the results folder's manifest "
+                             "(no argument: results/) or of these bench.json files / results folders; one table per "
+                             "run and, for several, ours' %% of ideal and streaming's %% of one pass side by side; then "
+                             "the fixed-cost bounds, and the --profile and --peer tables of the runs that have them")
+    parser.add_argument("--publish", nargs="?", const=results.DEFAULT_DIR, default=None, metavar="DIR",
+                        help="also merge this run into its configuration's file in the results folder (DIR, "
+                             "default results/; run from the repository root): its shapes replace that file's, "
+                             "the plot is redrawn and manifest.json lists it")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None,
                         help="profile where ours' gap to the ideal ratio goes (default: on)")
     parser.add_argument("--allocator", choices=allocator.CHOICES, default=None,

@@ -1,7 +1,8 @@
 """Markdown tables from committed ``bench.json`` files (``megatron-branch bench --table``).
 
-The README's and ``docs/benchmarks.md``'s tables are this module's output on the JSON
-files in ``docs/``, so the published numbers are exactly the measured ones: one detailed
+The README's and ``docs/benchmarks.md``'s tables are this module's output on the results
+folder (``results/manifest.json``, :mod:`megatron_branch.commands.bench.results`), so the
+published numbers are exactly the measured ones: one detailed
 table per run (:func:`run_table`) and one comparison across runs, a column per
 configuration (:func:`comparison_table`), the fixed-cost bounds (:func:`bound_table`), what
 a streaming unit costs against a pass (:func:`unit_cost_table`), and
@@ -12,7 +13,26 @@ real peer (:func:`peer_table`, ``--peer``).
 from __future__ import annotations
 
 import json
+import os
 from typing import List, Optional, Sequence
+
+from megatron_branch.commands.bench.results import DEFAULT_DIR, manifest_paths
+
+
+def report_paths(paths: Sequence[str]) -> List[str]:
+    """The bench files ``--table`` names: a results folder (or its ``manifest.json``) stands
+    for the files its manifest lists; no argument means ``results/``."""
+    if not paths:
+        return manifest_paths(DEFAULT_DIR)
+    out: List[str] = []
+    for path in paths:
+        if os.path.isdir(path):
+            out += manifest_paths(path)
+        elif os.path.basename(path) == "manifest.json":
+            out += manifest_paths(os.path.dirname(path) or ".")
+        else:
+            out.append(path)
+    return out
 
 
 def load(paths: Sequence[str]) -> List[dict]:
@@ -35,18 +55,37 @@ def config_label(report: dict) -> str:
             f"{threads} thread{'s' if threads != 1 else ''}")
 
 
+def _runs(report: dict) -> List[dict]:
+    """The runs behind ``report``: a published file lists them; a fresh report is one."""
+    if "runs" in report:
+        return report["runs"]
+    return [dict(report, repeats=report["config"]["repeats"])]
+
+
+def _distinct(values) -> str:
+    seen = [str(v) for v in dict.fromkeys(values) if v is not None]
+    return ", ".join(seen) if seen else "?"
+
+
 def config_line(report: dict) -> str:
-    """One line on what the run ran on (machine, load, torch)."""
-    m = report.get("machine", {})
-    load = m.get("load_average")
-    load_s = f", load {load[0]:.2f} at the start" if load else ""
-    core = report.get("megatron_core_version")  # absent from runs before 87df636
-    core_s = f", megatron-core {core}" if core else ""
+    """One line on what the run (or the runs of a published file) ran on."""
+    runs = _runs(report)
+    loads = [r["machine"]["load_average"][0] for r in runs if (r.get("machine") or {}).get("load_average")]
+    spread_s = f"{min(loads):.2f}" + (f"–{max(loads):.2f}" if max(loads) > min(loads) else "") if loads else ""
+    load_s = f", load {spread_s} at the start" if loads else ""
+    cores = _distinct(r.get("megatron_core_version") for r in runs)  # absent from the earliest runs
+    core_s = f", megatron-core {cores}" if cores != "?" else ""
+    cpus = _distinct((r.get("machine") or {}).get("cpus") for r in runs)
+    source = ""
+    if any(r.get("commit") for r in runs):
+        source = (f", {len(runs)} run{'s' if len(runs) > 1 else ''} (commit {_distinct(r.get('commit') for r in runs)};"
+                  f" {_distinct(sorted(r.get('date') or '' for r in runs))})")
+    shuffled = " (shuffled)" if all("method_order" in r for r in runs) else ""
     return (f"{config_label(report)}, {report['config']['num_layers']} layers, fp32, torch "
-            f"{report.get('torch_version', '?')}{core_s}, {m.get('cpus', '?')} CPUs{load_s}, "
-            f"{report['config']['repeats']} interleaved repeats{' (shuffled)' if 'method_order' in report else ''}, "
+            f"{_distinct(r.get('torch_version') for r in runs)}{core_s}, {cpus} CPUs{load_s}{source}, "
+            f"{_distinct(r['repeats'] for r in runs)} interleaved repeats{shuffled}, "
             f"chunk budget {report['config']['chunk_tokens']}, "
-            f"host allocator {report.get('allocator', 'default (not recorded)').split(':')[0]}")
+            f"host allocator {_distinct(r.get('allocator', 'default').split(':')[0] for r in runs)}")
 
 
 def _rows(shape: dict) -> dict:
@@ -239,7 +278,9 @@ def peer_table(report: dict) -> str:
 
 def markdown(paths: Sequence[str]) -> str:
     """Every run's table, then (for several runs) the comparison, the fixed-cost bounds of the
-    runs that measured them, and the profile and peer tables of the runs that have them."""
+    runs that measured them, and the profile and peer tables of the runs that have them.
+    ``paths``: bench files or results folders (:func:`report_paths`)."""
+    paths = report_paths(paths)
     reports = load(paths)
     parts = [f"{path}:\n\n{run_table(r)}" for path, r in zip(paths, reports)]
     if len(reports) > 1:
