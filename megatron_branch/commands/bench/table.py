@@ -147,16 +147,21 @@ def run_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def short_label(report: dict) -> str:
+    """``hidden 128, 1 thread``: a column title (the config line gives heads and the rest)."""
+    threads = report.get("torch_threads")
+    return f"hidden {report['config']['hidden_size']}, {threads} thread{'s' if threads != 1 else ''}"
+
+
 def comparison_table(reports: Sequence[dict]) -> str:
-    """Ours' fraction of the ideal ratio and streaming's of one pass, a column per
-    configuration (:func:`_columns`)."""
+    """Two tables, a column per configuration (:func:`_columns`): ours' fraction of the ideal
+    ratio (with the speed-up and the ideal), then streaming's fraction of one pass."""
     columns = _columns(reports)
-    labels = [lab for lab, _ in columns]
-    head = "| shape | " + " | ".join(f"ours, % of ideal ({lab})" for lab in labels) + " | " + " | ".join(
-        f"streaming, % of one pass ({lab})" for lab in labels) + " |"
-    lines = [head, "|---|" + "---|" * (2 * len(columns))]
-    names = _shape_names(reports)
-    for name in names:
+    titles = " | ".join(short_label(runs[0]) for _, runs in columns)
+    rule = "|---|" + "---|" * len(columns)
+    ours_lines = [f"| ours: % of ideal (speed-up of ideal) | {titles} |", rule]
+    stream_lines = [f"| streaming: % of one pass | {titles} |", rule]
+    for name in _shape_names(reports):
         cells_ours, cells_stream = [], []
         for _, runs in columns:
             s = _shape(runs, name)
@@ -170,8 +175,9 @@ def comparison_table(reports: Sequence[dict]) -> str:
                 cells_ours.append("-")
             f = stream.get("fraction_of_one_pass")
             cells_stream.append(f"{100 * f['median']:.0f}%" if f else "-")
-        lines.append(f"| {name} | " + " | ".join(cells_ours) + " | " + " | ".join(cells_stream) + " |")
-    return "\n".join(lines)
+        ours_lines.append(f"| {name} | " + " | ".join(cells_ours) + " |")
+        stream_lines.append(f"| {name} | " + " | ".join(cells_stream) + " |")
+    return "\n".join(ours_lines) + "\n\n" + "\n".join(stream_lines)
 
 
 def bound_table(reports: Sequence[dict]) -> str:
@@ -183,9 +189,8 @@ def bound_table(reports: Sequence[dict]) -> str:
     if not reports:
         return ""
     columns = _columns(reports)
-    labels = [lab for lab, _ in columns]
-    head = ("| shape | " + " | ".join(f"S ms; ours, % of bound; streaming, % of bound ({lab})" for lab in labels)
-            + " |")
+    head = ("| S ms; ours, % of bound; streaming, % of bound | "
+            + " | ".join(short_label(runs[0]) for _, runs in columns) + " |")
     lines = [head, "|---|" + "---|" * len(columns)]
     names = _shape_names(reports)
     for name in names:
@@ -216,8 +221,8 @@ def unit_cost_table(reports: Sequence[dict]) -> str:
     if not reports:
         return ""
     columns = _columns(reports)
-    head = ("| shape | " + " | ".join(f"S / ours' pass / streaming per unit after the first, ms (units) ({lab})"
-                                       for lab, _ in columns) + " |")
+    head = ("| S / ours' pass / streaming per unit after the first, ms (units) | "
+            + " | ".join(short_label(runs[0]) for _, runs in columns) + " |")
     lines = [head, "|---|" + "---|" * len(columns)]
     for name in _shape_names(reports):
         cells = []
