@@ -16,8 +16,9 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_branch.atomic import check_output_dir, check_output_file
+from megatron_branch.commands.bench.table import report_paths
+from megatron_branch.commands.preflight import HelpFormatter, plain_text, quiet_megatron_warnings
 from megatron_branch.commands.preflight import OneLineParser as _Parser
-from megatron_branch.commands.preflight import quiet_megatron_warnings
 
 # megatron-core warns about Apex/TE fallbacks when imported on CPU; they are expected here
 # (so the warnings are silenced before the imports below import it).
@@ -62,7 +63,7 @@ INPUTS: Dict[str, Tuple[Tuple[str, str], ...]] = {
     "plan": (("hf_config", "json"),),
     "bench": (("table", "bench-json"),),
 }
-# Integer flags that must be >= 1 when given (bench-scale checks its own).
+# Integer flags that must be >= 1 when given (bench-scale checks its own with its layout).
 POSITIVE: Dict[str, Tuple[str, ...]] = {
     "demo": ("repeats",),
     "bench": ("repeats", "chunk_tokens", "threads", "hidden", "heads", "kv_groups"),
@@ -74,11 +75,13 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
     """The CLI's parser; only ``command``'s own arguments are added (its module imported)."""
     parser = _Parser(
         prog=PROG,
-        description=(
-            "Exact branch replay for RL post-training on Megatron-Core: rollouts that share "
-            "a prompt are deduplicated into a prefix tree and every unique token position is "
+        description=(  # laid out as written (the formatter keeps descriptions' line breaks)
+            "Exact branch replay for RL post-training on Megatron-Core: rollouts that share\n"
+            "a prompt are deduplicated into a prefix tree and every unique token position is\n"
             "computed once, with gradients equal to running each rollout separately."
         ),
+        epilog=f"{PROG} COMMAND --help shows a command's options and their defaults.",
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--debug", action="store_true", help="print the traceback of a failure")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -87,8 +90,9 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
             sub.add_parser(name, help=help_text)
             continue
         module = importlib.import_module(module_name)
-        p = sub.add_parser(name, help=help_text, description=module.__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        # the docstring keeps its Sphinx roles for the API docs; --help shows it as plain text
+        p = sub.add_parser(name, help=help_text, description=plain_text(module.__doc__),
+                           formatter_class=HelpFormatter)
         module.add_arguments(p)
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help="print the traceback of a failure")
@@ -111,7 +115,9 @@ def preflight(command: str, args: argparse.Namespace) -> None:
         if value is not None and kind in ("json", "bench-json"):
             what = ("a bench.json that megatron-branch bench wrote" if kind == "bench-json"
                     else "a Hugging Face config.json")
-            for path in value if isinstance(value, list) else [value]:
+            # a results folder (or its manifest) stands for the bench files it lists
+            paths = report_paths(value) if kind == "bench-json" else [value]
+            for path in paths:
                 check_input_json(_flag(dest), path, what)
     for dest, kind in OUTPUTS.get(command, ()):
         value = getattr(args, dest, None)
@@ -122,6 +128,8 @@ def preflight(command: str, args: argparse.Namespace) -> None:
         _preflight_plan(args)
     if command == "bench":
         _preflight_bench(args)
+    if command == "bench-scale":
+        _preflight_bench_scale(args)
 
 
 def _preflight_bench(args) -> None:
@@ -132,6 +140,12 @@ def _preflight_bench(args) -> None:
         raise ValueError(f"--heads {heads} does not divide --hidden {hidden}")
     if heads % groups:
         raise ValueError(f"--kv-groups {groups} does not divide --heads {heads}")
+
+
+def _preflight_bench_scale(args) -> None:
+    # the layout, before run_bench_scale spawns its TP x CP processes (a bad one failed
+    # there after minutes, in every process)
+    importlib.import_module("megatron_branch.commands.bench.scale").validate(args)
 
 
 def _preflight_plan(args) -> None:

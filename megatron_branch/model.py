@@ -15,7 +15,7 @@ from typing import Iterator, List, Optional, Sequence, Union
 
 import torch
 
-from megatron_branch._megatron import DistributedDataParallel
+from megatron_branch._megatron import DistributedDataParallel, TransformerConfig
 
 Chunks = Union[torch.nn.Module, Sequence[torch.nn.Module]]
 
@@ -26,7 +26,13 @@ HOST = torch.device("cpu")
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The innermost module under ``Float16Module`` / DDP wrappers (their ``.module``)."""
+    """The innermost module under ``Float16Module`` / DDP wrappers (their ``.module``).
+
+    Raises:
+        ValueError: ``model`` is a ``(model, config)`` pair (:func:`as_chunks`).
+    """
+    if isinstance(model, (list, tuple)):
+        _refuse_model_config_pair(model)
     while hasattr(model, "module"):
         model = model.module
     return model
@@ -38,12 +44,30 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 
 def as_chunks(model: Chunks) -> List[torch.nn.Module]:
-    """``model`` as Megatron's list of model chunks (a module becomes ``[module]``)."""
+    """``model`` as Megatron's list of model chunks (a module becomes ``[module]``).
+
+    Raises:
+        ValueError: an empty list, or a sequence holding a ``TransformerConfig`` (the
+            ``(model, config)`` pair that :func:`megatron_branch.hf.load_gpt_from_hf` returns).
+    """
     if isinstance(model, (list, tuple)):
         if not model:
             raise ValueError("model: an empty list of model chunks")
+        _refuse_model_config_pair(model)
         return list(model)
     return [model]
+
+
+def _refuse_model_config_pair(chunks: Sequence) -> None:
+    # A (model, config) pair would otherwise pass as two virtual-pipeline chunks and fail
+    # later with a misleading chunk-count error; a config is never a model chunk.
+    config = next((c for c in chunks if isinstance(c, TransformerConfig)), None)
+    if config is not None:
+        raise ValueError(
+            f"model: got a {type(chunks).__name__} holding a {type(config).__name__}, not model chunks; "
+            "mb.hf.load_gpt_from_hf and build_from_hf_config return (model, config): pass the model, "
+            "e.g. model, config = mb.hf.load_gpt_from_hf(hf_dir)"
+        )
 
 
 def single_chunk(model: Chunks, what: str) -> torch.nn.Module:

@@ -123,8 +123,8 @@ def test_tiny_bench_report(tmp_path):
     ours = next(r for r in report["shapes"][0]["methods"] if r["method"] == "ours")
     assert f"**{ours['speedup']['median']:.2f}x**" in proc.stdout  # the run's own number
     assert "hidden 64 (4 heads / 2 KV), 1 thread" in proc.stdout and "% of one pass" in proc.stdout
-    # two run tables, the comparison, the fixed-cost bounds and the cost per streaming unit
-    assert proc.stdout.count("| G=4 |") == 5
+    # two run tables, the comparison (ours, streaming), the fixed-cost bounds and the cost per streaming unit
+    assert proc.stdout.count("| G=4 |") == 6
     assert "% of bound" in proc.stdout and "fixed cost of a pass through the stack" in table
     # the profile's categories, once per run that has them, with the run's own numbers
     assert proc.stdout.count("where ours' gap goes (--profile; seconds)") == 2
@@ -185,12 +185,13 @@ def test_bench_table_runs_of_one_configuration_share_a_column():
                                                 "fixed_cost_seconds": {"median": 0.004}} for n, f in shapes]}
 
     first, rest, other = run(512, [("A", 0.91)]), run(512, [("B", 0.82), ("A", 0.5)]), run(128, [("A", 0.97)])
-    table = comparison_table([first, rest, other])
-    head, rule, row_a, row_b = table.splitlines()
-    assert head.count("hidden 512 (4 heads / 2 KV), 2 threads") == 2  # ours and streaming: one column each
-    assert rule == "|---|" + "---|" * 4
-    assert row_a.startswith("| A | 91% (4.55x of 5.00x) | 97% ")  # the first run of the column that has A
-    assert row_b.startswith("| B | 82% (4.10x of 5.00x) | - | 82% | - |")
+    ours, stream = comparison_table([first, rest, other]).split("\n\n")
+    head, rule, row_a, row_b = ours.splitlines()
+    assert head == "| ours: % of ideal (speed-up of ideal) | hidden 512, 2 threads | hidden 128, 2 threads |"
+    assert rule == "|---|" + "---|" * 2
+    assert row_a == "| A | 91% (4.55x of 5.00x) | 97% (4.85x of 5.00x) |"  # the first run of the column that has A
+    assert row_b == "| B | 82% (4.10x of 5.00x) | - |"
+    assert stream.splitlines()[2:] == ["| A | 91% | 97% |", "| B | 82% | - |"]
     bounds = bound_table([first, rest, other]).splitlines()
     assert len(bounds[1].split("---")) == 4 and bounds[3].startswith("| B | 4.0; 82% of 5.00x | - |")
 
@@ -453,3 +454,42 @@ def test_unknown_allocator_setting_is_a_value_error():
     with pytest.raises(ValueError, match="--allocator: 'jemalloc' is not one of"):
         allocator.apply("jemalloc")
     assert allocator.apply("default").startswith("default: ")  # changes nothing
+
+
+def test_progress_is_a_bar_on_a_terminal_and_plain_lines_elsewhere(capsys):
+    from megatron_branch.commands.progress import Progress
+
+    # pytest's captured stderr is no terminal: one plain line per update (every=0), none on stderr
+    with Progress(3, "bench", every=0) as bar:
+        for note in ("a", "b", "c"):
+            bar.update(note)
+    out, err = capsys.readouterr()
+    assert err == "" and out.splitlines()[-1].startswith("bench 3/3 ") and len(out.splitlines()) == 3
+    assert "\r" not in out
+    # lines are at most one per `every` seconds, and the last always shows
+    with Progress(3, "study", every=1e9) as bar:
+        for _ in range(3):
+            bar.update()
+    assert [line.split()[1] for line in capsys.readouterr().out.splitlines()] == ["1/3", "3/3"]
+    with Progress(2, "bench", verbose=True) as bar:  # --verbose: the bar, wherever stderr goes
+        bar.update("x")
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("\rbench [") and err.endswith("\n")
+
+
+def test_profiler_output_is_silenced_unless_verbose(capfd):
+    import torch
+
+    from megatron_branch.commands.bench.profile import OVERHEAD, _profile
+
+    x = torch.randn(32, 32, requires_grad=True)
+
+    def step():
+        (x @ x).sum().backward()
+
+    capfd.readouterr()
+    out = _profile(step, lambda: None)
+    assert out["wall"] > 0 and OVERHEAD in out
+    assert capfd.readouterr() == ("", "")  # Kineto writes its USDT/STAGE lines to fd 2 directly
+    print("still here")  # the descriptors are back
+    assert capfd.readouterr().out == "still here\n"

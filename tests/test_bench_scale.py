@@ -5,6 +5,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+from megatron_branch import cli
+from megatron_branch.commands.bench import scale
+
 
 def test_bench_scale_cp2_prediction_within_20_percent(tmp_path):
     out = tmp_path / "scale.json"
@@ -20,7 +25,17 @@ def test_bench_scale_cp2_prediction_within_20_percent(tmp_path):
     assert "within the 20% goal" in proc.stdout
 
 
-def test_bench_scale_rejects_bad_sizes():
-    proc = subprocess.run([sys.executable, "-m", "megatron_branch.cli", "bench-scale", "--cp", "0"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--cp must be >= 1" in proc.stdout
+@pytest.mark.parametrize("argv, expect", [
+    (["--cp", "0"], "--cp: must be >= 1, got 0"),
+    (["--tp", "3"], "--tp 3 does not divide the model's 4 attention heads; use --tp 1 or 2"),
+    (["--tp", "4", "--cp", "1"], "--tp 4 does not divide the model's 2 query (key/value) groups"),
+    (["--tp", "2", "--cp", "4", "--chunk-tokens", "4"], "--chunk-tokens 4 is below --tp 2 x --cp 4 = 8"),
+])
+def test_bench_scale_refuses_a_bad_layout_before_spawning(argv, expect, monkeypatch, capsys):
+    def spawn(*args, **kwargs):
+        raise AssertionError("bench-scale spawned processes for a layout it should have refused")
+
+    monkeypatch.setattr(scale.mp, "spawn", spawn)
+    assert cli.main(["bench-scale", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("megatron-branch bench-scale: error: ") and expect in err, err

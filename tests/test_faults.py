@@ -13,6 +13,7 @@
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -142,6 +143,23 @@ def test_cli_fails_cleanly_before_any_work(argv, expect, tmp_path, capsys):
         code = e.code
     assert code == 2 and time.monotonic() - start < 5
     assert fill(expect) in one_line(capsys)
+
+
+@pytest.mark.parametrize("sizes, shape, expect", [
+    ((1, 0), {}, "bench-cp sizes (1, 0): CP sizes >= 1, starting with 1"),
+    ((2, 4), {}, "starting with 1"),
+    ((1, 2), {"hidden": 66}, "hidden 66 is not a multiple of the model's 4 heads"),
+    ((1, 2), {"tails": 0}, "tails must be >= 1, got 0"),
+])
+def test_bench_cp_refuses_a_bad_shape_before_spawning(sizes, shape, expect, monkeypatch):
+    from megatron_branch.commands.bench import cp
+
+    def spawn(*args, **kwargs):
+        raise AssertionError("bench-cp spawned processes for a shape it should have refused")
+
+    monkeypatch.setattr(cp.mp, "spawn", spawn)
+    with pytest.raises(ValueError, match=re.escape(expect)):
+        cp.run_bench_cp(True, sizes=sizes, echo=lambda *_: None, shape=shape)
 
 
 def test_plan_that_does_not_fit_exits_1(capsys):

@@ -215,6 +215,34 @@ def test_moe_in_memory_load_and_export(tmp_path):
     assert set(state) == set(original) and all(torch.equal(state[k], original[k]) for k in original)
 
 
+def test_the_model_config_pair_is_refused_where_a_model_is_expected(tmp_path):
+    """load_gpt_from_hf returns (model, config); passing the pair on says so (it read as two
+    virtual-pipeline chunks before), while a list of one model chunk still works."""
+    from megatron_branch.training import zero_grads
+    from megatron_branch.training.schedule import forward_backward
+
+    _, hf_dir = make_hf(tmp_path, "llama")
+    pair = mb.hf.load_gpt_from_hf(hf_dir)
+    assert isinstance(pair, tuple) and len(pair) == 2
+    model, config = pair
+    tree = mb.BranchTree.from_sequences(BATCH.sequences)
+    loss = lambda lp, ids: lp.sum()  # noqa: E731
+    calls = {
+        "rollout_logprobs": lambda m: mb.rollout_logprobs(m, tree),
+        "replay_logprobs": lambda m: mb.replay_logprobs(m, tree),
+        "replay_step": lambda m: mb.replay_step(m, tree, loss),
+        "export_hf_state": lambda m: mb.hf.export_hf_state(m, json.load(open(os.path.join(hf_dir, "config.json")))),
+        "zero_grads": zero_grads,
+        "forward_backward": lambda m: forward_backward(m, [tree], loss, forward_only=True),
+    }
+    for name, call in calls.items():
+        for wrong, kind in ((pair, "tuple"), ([model, config], "list")):
+            with pytest.raises(ValueError, match=f"model: got a {kind} holding a TransformerConfig.*pass the model"):
+                call(wrong)
+    with torch.no_grad():
+        assert torch.equal(mb.rollout_logprobs([model], tree), mb.rollout_logprobs(model, tree))
+
+
 def test_moe_dense_layers_are_refused():
     cfg = dict(COMMON, architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
                moe_intermediate_size=48, mlp_only_layers=[1])

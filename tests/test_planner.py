@@ -132,6 +132,27 @@ def test_a_workload_that_cannot_fit_says_why():
     assert "does not fit" in result["reason"] and "GB" in result["reason"]
 
 
+def test_the_plan_says_why_pp_or_cp_is_held(tmp_path, capsys):
+    """Issue 53: DeepSeek-V3's 61 layers keep PP at 1, a hybrid model CP; the plan says so."""
+    from megatron_branch import cli
+
+    out = tmp_path / "plan.json"
+    assert cli.main(["plan", "--model", "DeepSeek-V3", "--json", str(out)]) == 1  # 671B does not fit 8 x H20
+    held = "PP held at 1: none of the pipeline sizes searched (2, 4, 8) divides the model's 61 layers"
+    assert f"\n  {held}\n" in capsys.readouterr().out
+    assert json.loads(out.read_text())["held"] == [held]
+    hybrid = plan(MODELS["Qwen3-Next-80B-A3B"], Workload(131072, 16, 3072, num_prompts=2), GPUS["H20"], 32)
+    assert hybrid["held"] == ["PP held at 8: the only pipeline size that fills the 32 GPUs with the TP, CP and DP "
+                              "the model and workload allow",
+                              "CP held at 1: the package refuses context parallelism for Gated DeltaNet layers"]
+    three = plan(MODELS["Llama-3-8B"], Workload(131072, 16, 3072), GPUS["H20"], 3)["held"]
+    assert three[0] == "PP held at 1: PP 2, 4, 8 divide the 32 layers but not the 3 GPUs"
+    assert three[1].startswith("CP held at 3: CP = GPUs / (TP x PP x DP)")
+    # free to vary (Llama-3-8B on 8 GPUs), or one GPU: nothing is said
+    assert plan(MODELS["Llama-3-8B"], Workload(131072, 16, 3072), GPUS["H20"], 8)["held"] == []
+    assert plan(TINY, Workload(10, 2, 2), GPUS["H20"], 1)["held"] == []
+
+
 def test_bad_inputs(tmp_path):
     with pytest.raises(ValueError, match="prompt_len: must be >= 1"):
         Workload(0, 16, 10)

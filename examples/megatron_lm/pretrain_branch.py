@@ -18,10 +18,24 @@ data-parallel ranks), and the forward step is
 summed over tokens. Megatron divides the gradients by the global token count, which needs
 ``--calculate-per-token-loss`` (set here if missing).
 
+What to clone: Megatron-LM at one of the versions this script is tested on, tag
+``core_v0.16.1`` or ``core_v0.19.0``, or ``main`` at commit ``d98e8a64dd``, and the
+``megatron-lm`` extra of this package (Megatron-LM's own dependencies)::
+
+    git clone https://github.com/NVIDIA/Megatron-LM /path/to/Megatron-LM
+    git -C /path/to/Megatron-LM checkout core_v0.16.1
+    pip install -e ".[megatron-lm]"
+
+No patch is needed for this script: it uses Megatron-LM's extension points (``--spec``,
+the forward step, the external data loader). The patches under ``patches/`` change only
+Megatron-RL (``train_rl.py``, ``megatron/rl/rl_utils.py`` and the ``--rl-branch-replay``
+flags in ``megatron/training/arguments.py``); a patched checkout runs this script
+unchanged (``tests/test_megatron_lm.py``, which also tests the RL path, runs it on one).
+
 CPU, 2 gloo processes (Megatron-LM's CUDA assumptions are shimmed by
 :func:`megatron_branch.cpu.megatron_lm_on_cpu`, applied only when CUDA is absent)::
 
-    MEGATRON_LM_DIR=/path/to/Megatron-LM  # git checkout of tag core_v0.16.1, patched
+    MEGATRON_LM_DIR=/path/to/Megatron-LM  # the checkout above (core_v0.16.1; no patch needed)
     PYTHONPATH=$MEGATRON_LM_DIR torchrun --nproc_per_node 2 \\
         examples/megatron_lm/pretrain_branch.py \\
         --spec megatron_branch.integrations.megatron_lm branch_layer_spec \\

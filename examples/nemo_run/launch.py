@@ -8,11 +8,21 @@ ntasks_per_node=N, launcher="torchrun")``. ``slurm`` builds a ``run.SlurmExecuto
 one node of ``--gpus`` GPUs with the TP/CP settings and, with ``--dryrun``, prints the
 sbatch script instead of submitting (set --account/--partition/--job-dir for a real run).
 Needs the ``[launch]`` extra (``nemo-run==0.11.1``, ``leptonai<0.47``).
+
+Where the output goes (printed at the end of each run): NeMo-Run keeps an experiment in
+``$NEMORUN_HOME/experiments/<title>/<title>_<id>/`` (``NEMORUN_HOME`` defaults to
+``~/.nemo_run``); the task's folder is ``train/`` in it. ``local``: all ranks' output in
+``train/nemo_run/train-*/train/0/combined.log`` (also ``stdout.log``, ``stderr.log``), each
+rank's own in ``train/nemo_run/train-*/torchelastic/train/*/attempt_0/<rank>/stdout.log``;
+``nemo experiment logs <title>_<id> 0`` prints them. ``slurm``: on the cluster, in
+``<--job-dir>/branch-replay-slurm/branch-replay-slurm_<id>/train/`` (``sbatch_*_<jobid>.out``
+and the job's ``log-*_<jobid>_<restart>.out``).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import sys
 import tempfile
@@ -37,6 +47,27 @@ def local(nproc: int, train_args, name: str = "branch-replay") -> None:
     with run.Experiment(name, executor=executor, log_level="WARN") as exp:
         exp.add(make_script(train_args), executor=executor, name="train")
         exp.run(detach=False)
+    print_output_dir(exp.jobs[0].executor.job_dir)
+
+
+def print_output_dir(job_dir: str, remote: bool = False) -> None:
+    """Say where the task's output and logs are (NeMo-Run prints the folder once, mid-run).
+
+    Args:
+        job_dir: the task's folder (``<experiment dir>/train``).
+        remote: a Slurm job's folder on the cluster (its log files do not exist here yet).
+    """
+    experiment = os.path.basename(os.path.dirname(job_dir))
+    if remote:
+        print(f"output and logs on the cluster: {job_dir}/ (sbatch_*_<jobid>.out, log-*_<jobid>_<restart>.out)")
+        return
+    print(f"output and logs: {job_dir}/")
+    for path in sorted(glob.glob(os.path.join(job_dir, "nemo_run", "*", "train", "0", "combined.log"))):
+        print(f"  all ranks: {path}")
+    for path in sorted(glob.glob(os.path.join(job_dir, "nemo_run", "*", "torchelastic", "*", "*", "*", "*",
+                                              "stdout.log"))):
+        print(f"  rank {os.path.basename(os.path.dirname(path))}: {path}")
+    print(f"  or: nemo experiment logs {experiment} 0")
 
 
 def slurm(args) -> None:
@@ -54,6 +85,7 @@ def slurm(args) -> None:
             exp.dryrun()
         else:
             exp.run(detach=True)
+    print_output_dir(os.path.join(exp.jobs[0].executor.tunnel.job_dir, "train"), remote=True)
 
 
 def main(argv=None) -> int:

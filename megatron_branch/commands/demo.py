@@ -6,16 +6,21 @@ side by side in one run:
 
 * positions (naive vs unique) and the ideal ratio;
 * forward+backward time of naive (every rollout in full on torch's fused causal SDPA, in
-  micro-batches of 1, 2, 4 and all rollouts with gradient accumulation; the fastest is
-  the reference) and of branch replay (one packed pass, cascade attention on the same
-  fused kernel family), and the speed-up as a fraction of the ideal ratio;
+  micro-batches of every power of two below the rollout count and of all rollouts, with
+  gradient accumulation: 1, 2, 4, 8, 16 for 16 rollouts; the fastest is the reference)
+  and of branch replay (one packed pass, cascade attention on the same fused kernel
+  family), and the speed-up as a fraction of the ideal ratio;
 * exactness against the stock Megatron spec, each rollout alone: max |Δ log-prob| and
   the max relative gradient difference over all parameters, for a GRPO loss.
+
+Timings need a quiet machine: when the load average exceeds the CPU count the demo says
+so before timing (``--quick`` is a fast exactness check).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -25,6 +30,7 @@ import torch
 
 from megatron_branch import losses
 from megatron_branch.commands.bench.methods import causal_logprobs, naive_micro_batches
+from megatron_branch.commands.preflight import preset_default
 from megatron_branch.commands.synthetic import branching_rollouts
 from megatron_branch.cpu import enable_cpu
 from megatron_branch.distributed import init_distributed
@@ -80,6 +86,27 @@ def _time(fn: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
+def machine_load() -> Optional[float]:
+    """The 1-minute load average, or ``None`` where the platform has none (Windows)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def load_warning(load: Optional[float], cpus: Optional[int]) -> Optional[str]:
+    """One line warning that timings are unreliable when ``load`` exceeds ``cpus``, else ``None``.
+
+    Args:
+        load: the 1-minute load average (``None``: unknown, no warning).
+        cpus: the machine's CPU count (``None``: unknown, no warning).
+    """
+    if load is None or not cpus or load <= cpus:
+        return None
+    return (f"warning: load average {load:.1f} exceeds the {cpus} cores: the timings below are unreliable on a "
+            f"loaded machine (megatron-branch demo --quick is a fast exactness check)")
+
+
 def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> dict:
     """Run the demo and return its numbers (also printed through ``echo``)."""
     enable_cpu()
@@ -124,6 +151,12 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> dict:
 
     sizes = naive_micro_batches(len(seqs))
     steps = {k: naive_step(k) for k in sizes}
+    echo(f"naive: micro-batches of {', '.join(map(str, sizes))} rollouts (gradient accumulation); "
+         f"the fastest is the reference")
+    load, cpus = machine_load(), os.cpu_count()
+    warning = load_warning(load, cpus)
+    if warning:
+        echo(warning)
     for step in (*steps.values(), branch_step):  # warm-up
         step()
     t_naive = {k: [] for k in sizes}
@@ -155,6 +188,8 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print) -> dict:
         "loss_rel_diff": report.loss_rel_diff,
         "max_rel_grad_diff": report.max_rel_grad_diff,
         "worst_param": report.worst_param,
+        "load_average": load,
+        "cpus": cpus,
     }
     echo("")
     echo(f"{'':28s}{'naive':>14s}{'branch replay':>16s}")
@@ -185,8 +220,11 @@ def main(args) -> int:
 
 
 def add_arguments(parser) -> None:
+    full, quick = DemoConfig(), DemoConfig.quick()
     parser.add_argument("--quick", action="store_true", help="small shapes (seconds; used by the tests)")
-    parser.add_argument("--backend", choices=["cascade", "dense"], default=None,
-                        help="tree attention backend (default: cascade)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed repeats (median is reported)")
+    parser.add_argument("--backend", choices=["cascade", "dense"], default=full.backend,
+                        help="tree attention backend")
+    # None: the preset's count, which --quick changes
+    parser.add_argument("--repeats", type=int, default=None,
+                        help=f"timed repeats, the median is reported {preset_default(full.repeats, quick.repeats)}")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the numbers as JSON")

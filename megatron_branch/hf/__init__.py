@@ -1,7 +1,8 @@
 """Hugging Face checkpoints: the mapping, safetensors I/O and the conversion, on CPU.
 
-``mb.hf.load_gpt_from_hf(hf_dir)`` builds the Megatron GPTModel (branch spec) and loads
-the weights; ``mb.hf.export_hf_state(model, hf_config)`` returns a live model's full
+``model, config = mb.hf.load_gpt_from_hf(hf_dir)`` builds the Megatron GPTModel (branch
+spec), loads the weights and returns the model with its ``TransformerConfig``;
+``mb.hf.export_hf_state(model, hf_config)`` returns a live model's full
 weights under HF names (:mod:`.model`). Mapping rules: :mod:`.mapping` (DeepSeek-V3's
 multi-latent attention: :mod:`.deepseek`; Qwen3-Next's Gated DeltaNet hybrid:
 :mod:`.qwen3_next`); reading and atomic writing: :mod:`.io`; the

@@ -1,7 +1,8 @@
 """Branch-spec GPTModels from Hugging Face checkpoints, and a live model's weights back.
 
-``load_gpt_from_hf(hf_dir)`` builds the Megatron GPTModel (branch spec) and loads the
-weights; ``export_hf_state(model, hf_config)`` returns a live (possibly TP/PP/EP sharded)
+``model, config = load_gpt_from_hf(hf_dir)`` builds the Megatron GPTModel (branch spec),
+loads the weights and returns the pair (the model and its ``TransformerConfig``; pass
+``model`` on, not the pair); ``export_hf_state(model, hf_config)`` returns a live (possibly TP/PP/EP sharded)
 model's full weights under HF names — what an RL stack sends to its rollout engine after
 each step. Mapping rules: :mod:`megatron_branch.hf.mapping`.
 """
@@ -72,10 +73,21 @@ def build_from_hf_config(hf_cfg: dict, params_dtype: torch.dtype = torch.float32
 def load_gpt_from_hf(hf_dir: str, params_dtype: torch.dtype = torch.float32, **spec_kwargs):
     """Build a branch-spec GPTModel for ``hf_dir`` and load its safetensors weights.
 
-    Works on any TP/PP layout already initialised (weights are sliced per rank).
+    Works on any TP/PP layout already initialised (weights are sliced per rank)::
+
+        model, config = mb.hf.load_gpt_from_hf(hf_dir)
+        lp = mb.rollout_logprobs(model, tree)  # the model, not the pair
+
+    Args:
+        hf_dir: a Hugging Face checkpoint directory (``config.json`` and safetensors).
+        params_dtype: the parameters' dtype (checked to hold the weights exactly).
+        **spec_kwargs: extra keywords for the branch layer spec.
 
     Returns:
-        ``(model, config)``.
+        A tuple ``(model, config)``: the ``GPTModel`` (this rank's TP/PP shard, weights
+        loaded, on the CPU) and the ``TransformerConfig`` it was built with (an
+        ``MLATransformerConfig`` for multi-latent attention). The package's functions that
+        take a model refuse the pair with a ``ValueError``.
     """
     hf_cfg = read_config(hf_dir)
     model, config = build_from_hf_config(hf_cfg, params_dtype, spec_kwargs)

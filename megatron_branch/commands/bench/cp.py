@@ -29,6 +29,30 @@ from megatron_branch.distributed import destroy_distributed, free_port, init_dis
 from megatron_branch.scoring.unit import linear_weight
 from megatron_branch.spec.builders import build_gpt, llama_config
 
+HEADS, QUERY_GROUPS = 4, 2  # the model's attention heads and key/value groups (its width is the shape's hidden)
+
+
+def check_shape(cfg: dict, sizes) -> None:
+    """Refuse a shape or CP sizes the spawned processes would fail on, before any starts.
+
+    Args:
+        cfg: the workload (``hidden``, ``prompt``, ``tails``, ``tail_len``, ``repeats``, ``threads``).
+        sizes: the CP sizes to run, the first the baseline the others' times are relative to.
+
+    Raises:
+        ValueError: naming the field: a size below 1, no sizes or a first size other than 1,
+            or ``hidden`` not a multiple of the model's attention heads (Megatron-Core's
+            ``TransformerConfig`` asserts it). A CP size above the tree's tokens is fine: the
+            ranks past them hold no token.
+    """
+    for name in ("hidden", "prompt", "tails", "tail_len", "repeats", "threads"):
+        if cfg[name] < 1:
+            raise ValueError(f"bench-cp shape: {name} must be >= 1, got {cfg[name]}")
+    if not sizes or sizes[0] != 1 or min(sizes) < 1:
+        raise ValueError(f"bench-cp sizes {tuple(sizes)}: CP sizes >= 1, starting with 1 (the baseline of 'vs CP=1')")
+    if cfg["hidden"] % HEADS:
+        raise ValueError(f"bench-cp shape: hidden {cfg['hidden']} is not a multiple of the model's {HEADS} heads")
+
 
 def _worker(rank, world, port, cfg, comm, out_path):
     warnings.filterwarnings("ignore")
@@ -37,8 +61,8 @@ def _worker(rank, world, port, cfg, comm, out_path):
     mb.enable_cpu()
     dist.init_process_group("gloo", rank=rank, world_size=world)
     init_distributed(1, 1, world)
-    config = llama_config(num_layers=2, hidden_size=cfg["hidden"], num_attention_heads=4, num_query_groups=2,
-                          context_parallel_size=world)
+    config = llama_config(num_layers=2, hidden_size=cfg["hidden"], num_attention_heads=HEADS,
+                          num_query_groups=QUERY_GROUPS, context_parallel_size=world)
     model = build_gpt(config, 256, seed=0)
     batch = branching_rollouts([cfg["prompt"]], [cfg["tails"]], [cfg["tail_len"]], 256, seed=0)
     tree = mb.BranchTree.from_sequences(batch.sequences)
@@ -76,6 +100,7 @@ def run_bench_cp(quick: bool, sizes=(1, 2, 4), echo=print, shape=None) -> dict:
     cfg = dict(hidden=64, prompt=1024, tails=16, tail_len=64, repeats=2, threads=torch.get_num_threads()) if quick \
         else dict(hidden=128, prompt=4096, tails=16, tail_len=256, repeats=3, threads=torch.get_num_threads())
     cfg.update(shape or {})
+    check_shape(cfg, sizes)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for cp in sizes:

@@ -10,12 +10,18 @@ each category is also given at naive's own cost per unit of work (its attention 
 visible pair, the rest per position, applied to ours' pairs and positions), which is what a
 tree method running every kernel exactly as efficiently as naive would take. Both runs are
 profiled, so the profiler's own overhead lands mostly in the overhead row of both.
+The profiler's own output (Kineto's lines on the process's stderr, its Python warnings) is
+silenced unless ``verbose`` (``megatron-branch bench --verbose``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
-from typing import Dict, List
+import warnings
+from typing import Dict, Iterator, List
 
 ATTENTION = "attention kernel"
 CATEGORIES = (
@@ -39,19 +45,53 @@ def _category(name: str) -> str:
     return OTHER
 
 
-def _profile(step, zero) -> Dict[str, float]:
+@contextlib.contextmanager
+def _quiet(verbose: bool) -> Iterator[None]:
+    """Silence torch.profiler unless ``verbose``: Kineto writes "USDT: ... profiler_start" and
+    "STAGE: ..." lines straight to file descriptor 2 from C++ (no log level turns the USDT ones
+    off), so Python's ``sys.stderr`` cannot catch them; descriptors 1 and 2 go to /dev/null
+    for the profiled run and its post-processing only, and Python warnings are ignored there."""
+    if verbose:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sys.stdout.flush(), sys.stderr.flush()
+        try:
+            saved = [os.dup(fd) for fd in (1, 2)]
+        except OSError:  # no descriptors to redirect (a closed or embedded stdio)
+            saved = None
+        if saved is None:
+            yield
+            return
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            for fd in (1, 2):
+                os.dup2(null, fd)
+            yield
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            for fd, copy in zip((1, 2), saved):
+                os.dup2(copy, fd)
+                os.close(copy)
+            os.close(null)
+
+
+def _profile(step, zero, verbose: bool = False) -> Dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
     zero()
     step()  # warm
     zero()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        start = time.perf_counter()
-        step()
-        wall = time.perf_counter() - start
+    with _quiet(verbose):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            step()
+            wall = time.perf_counter() - start
+        events = prof.key_averages()
     out = {label: 0.0 for label, _ in CATEGORIES}
     out[OTHER] = 0.0
-    for ev in prof.key_averages():
+    for ev in events:
         if not ev.key.startswith("aten::"):
             continue  # autograd nodes and record_function ranges: their children are counted
         out[_category(ev.key)] += ev.self_cpu_time_total / 1e6
@@ -60,8 +100,9 @@ def _profile(step, zero) -> Dict[str, float]:
     return out
 
 
-def profile_gap(shape_name: str, summary: dict, models, batch, loss_fn, prepared) -> dict:
-    """The per-category breakdown of ``ours`` vs the fastest naive scaled by the ideal ratio."""
+def profile_gap(shape_name: str, summary: dict, models, batch, loss_fn, prepared, verbose: bool = False) -> dict:
+    """The per-category breakdown of ``ours`` vs the fastest naive scaled by the ideal ratio
+    (``verbose``: with the profiler's own output)."""
     by_name = {p.name: p for p in prepared}
     ref = summary["naive_reference"]
     ideal = summary["ideal_flop_ratio"]
@@ -70,8 +111,8 @@ def profile_gap(shape_name: str, summary: dict, models, batch, loss_fn, prepared
         for m in models.values():
             m.zero_grad(set_to_none=True)
 
-    naive = _profile(by_name[ref].step, zero)
-    ours = _profile(by_name["ours"].step, zero)
+    naive = _profile(by_name[ref].step, zero, verbose)
+    ours = _profile(by_name["ours"].step, zero, verbose)
     gap = ours["wall"] - naive["wall"] / ideal
     # naive's own cost per unit of work: its attention per (query, key) pair, the rest per
     # position (the reference's padded counts), applied to ours' work

@@ -52,6 +52,7 @@ from megatron_branch.commands.bench.profile import format_profile, profile_gap
 from megatron_branch.commands.bench.stats import spread
 from megatron_branch.commands.bench.table import config_label, markdown
 from megatron_branch.commands.bench.thd import run_thd
+from megatron_branch.commands.preflight import preset_default
 from megatron_branch.commands.progress import Progress
 from megatron_branch.commands.synthetic import RolloutBatch, branching_rollouts
 from megatron_branch.cpu import enable_cpu
@@ -220,9 +221,10 @@ def _model_for(name: str) -> str:
     return "dense" if name == "dense_tree" else "repeat_kv" if name == "prompt_once" else "cascade"
 
 
-def run_bench(cfg: BenchConfig, methods: Optional[List[str]] = None, echo=print) -> dict:
+def run_bench(cfg: BenchConfig, methods: Optional[List[str]] = None, echo=print, verbose: bool = False) -> dict:
     """Run every shape and method (then the profile and the peer comparison if configured);
-    returns the JSON-ready report."""
+    returns the JSON-ready report. Progress shows as a bar on a terminal and as plain lines
+    elsewhere; ``verbose`` adds the bar off a terminal and the profiler's own output."""
     enable_cpu()
     init_distributed()
     host_allocator = allocator.apply(cfg.allocator)
@@ -230,14 +232,14 @@ def run_bench(cfg: BenchConfig, methods: Optional[List[str]] = None, echo=print)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     try:
-        report = _run_bench(cfg, methods, echo)
+        report = _run_bench(cfg, methods, echo, verbose)
         report["allocator"] = host_allocator
         return report
     finally:
         torch.set_num_threads(threads)
 
 
-def _run_bench(cfg: BenchConfig, methods: Optional[List[str]], echo) -> dict:
+def _run_bench(cfg: BenchConfig, methods: Optional[List[str]], echo, verbose: bool = False) -> dict:
     kinds: Dict[tuple, Dict[str, torch.nn.Module]] = {}
     fixed_steps = {}  # per model kind: the stock step on a two-token rollout (fixed_cost.py)
     per_shape = 1 + cfg.repeats
@@ -247,7 +249,7 @@ def _run_bench(cfg: BenchConfig, methods: Optional[List[str]], echo) -> dict:
               "method_order": "listed, then shuffled per repeat (seeded)", "shapes": []}
     prepared_by_shape = {}
     started = time.perf_counter()
-    with Progress(len(cfg.shapes) * per_shape, "bench") as bar:
+    with Progress(len(cfg.shapes) * per_shape, "bench", verbose=verbose) as bar:
         for shape in cfg.shapes:
             if shape.hybrid and gdn_unavailable_reason():
                 skipped = {"shape": shape.name, "skipped": gdn_unavailable_reason()}
@@ -302,7 +304,7 @@ def _run_bench(cfg: BenchConfig, methods: Optional[List[str]], echo) -> dict:
             if name not in prepared_by_shape:
                 continue
             summary = next(s for s in report["shapes"] if s["shape"] == name)
-            report["profile"].append(profile_gap(name, summary, *prepared_by_shape[name][:4]))
+            report["profile"].append(profile_gap(name, summary, *prepared_by_shape[name][:4], verbose=verbose))
     if cfg.peer:
         report["peer"] = run_peer(cfg, echo=echo)
     if cfg.thd_shapes:
@@ -521,10 +523,9 @@ def main(args) -> int:
     if args.table is not None:
         print(markdown(args.table))
         return 0
-    if args.publish and (args.quick or args.methods):
-        flag = "--quick" if args.quick else "--methods"
-        raise ValueError(f"--publish: a {flag} run is not a configuration's result; publish full runs only "
-                         "(--shapes may select a few shapes)")
+    if args.publish and args.quick:
+        raise ValueError("--publish: a --quick run (its own small shapes) is no configuration's result; publish "
+                         "runs of the full preset (--shapes and --methods may select a part of it)")
     cfg = BenchConfig.quick() if args.quick else BenchConfig.full()
     order = [s.name for s in cfg.shapes]
     if args.repeats:
@@ -549,7 +550,7 @@ def main(args) -> int:
         cfg.profile_shapes = []
     if args.allocator:
         cfg.allocator = args.allocator
-    report = results.stamp(run_bench(cfg, args.methods))
+    report = results.stamp(run_bench(cfg, args.methods, verbose=args.verbose))
     print(format_table(report))
     os.makedirs(args.out, exist_ok=True)
     json_path, png_path = os.path.join(args.out, "bench.json"), os.path.join(args.out, "bench.png")
@@ -565,31 +566,41 @@ def main(args) -> int:
 
 
 def add_arguments(parser) -> None:
+    # the options left None take the preset's value (BenchConfig.full() or .quick()), stated in the help
+    full, quick = BenchConfig.full(), BenchConfig.quick()
     parser.add_argument("--quick", action="store_true", help="small model and shapes (about 2 minutes on 2 cores)")
     parser.add_argument("--out", default="bench_out", help="directory for bench.json and bench.png")
-    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per method (median)")
-    parser.add_argument("--chunk-tokens", type=int, default=None, help="streaming replay budget")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help=f"timed repeats per method (median) {preset_default(full.repeats, quick.repeats)}")
+    parser.add_argument("--chunk-tokens", type=int, default=None,
+                        help=f"streaming replay budget {preset_default(full.chunk_tokens, quick.chunk_tokens)}")
     parser.add_argument("--methods", nargs="+", default=None,
                         choices=["naive", "packed", "prompt_once", "dense_tree", "ours", "ours_stream",
                                  "ours_stream_small"],
                         help="subset of methods (naive, the micro-batch sweep, is the reference and should be "
-                             "included)")
+                             "included) (default: all)")
     parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads (1 steadies timings on a machine shared with other jobs)")
-    parser.add_argument("--hidden", type=int, default=None, help="model width (default 128)")
-    parser.add_argument("--heads", type=int, default=None, help="attention heads; must divide --hidden (default 4)")
+                        help="torch intra-op threads (1 steadies timings on a machine shared with other jobs) "
+                             + preset_default(full.threads, quick.threads))
+    parser.add_argument("--hidden", type=int, default=None,
+                        help=f"model width {preset_default(full.hidden_size, quick.hidden_size)}")
+    parser.add_argument("--heads", type=int, default=None,
+                        help="attention heads; must divide --hidden "
+                             + preset_default(full.num_attention_heads, quick.num_attention_heads))
     parser.add_argument("--kv-groups", type=int, default=None,
-                        help="key/value groups (GQA); must divide --heads (default 2)")
+                        help="key/value groups (GQA); must divide --heads (default: "
+                             f"{full.num_query_groups}, or --heads if fewer)")
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=None,
                         help="the prefix_grouper comparison on a Hugging Face Llama (default: on)")
     parser.add_argument("--shapes", nargs="+", default=None, metavar="NAME",
                         help="run only these shapes: a shape's whole name selects it alone, any other word every shape "
-                             "whose name contains it (e.g. 'G=16 p/r=1' agentic 4096)")
+                             "whose name contains it (e.g. 'G=16 p/r=1' agentic 4096) (default: all the preset's)")
     parser.add_argument("--table", nargs="*", default=None, metavar="JSON",
                         help="print the markdown tables and exit (runs nothing): of the results folder's manifest "
-                             "(no argument: results/) or of these bench.json files / results folders; one table per "
-                             "run and, for several, ours' %% of ideal and streaming's %% of one pass side by side; then "
-                             "the fixed-cost bounds, and the --profile and --peer tables of the runs that have them")
+                             "(no argument: results/) or of these bench.json files / results folders; one table "
+                             "per run and, for several, ours' %% of ideal and streaming's %% of one pass side by "
+                             "side; then the fixed-cost bounds, and the --profile and --peer tables of the runs "
+                             "that have them")
     parser.add_argument("--publish", nargs="?", const=results.DEFAULT_DIR, default=None, metavar="DIR",
                         help="also merge this run into its configuration's file in the results folder (DIR, "
                              "default results/; run from the repository root): its shapes replace that file's, "
@@ -600,3 +611,6 @@ def add_arguments(parser) -> None:
                         help="host memory: 'keep' (default) has glibc keep freed memory for reuse, as a GPU's "
                              "caching allocator does, so no method's large tensors are page-faulted again every "
                              "step; 'default' leaves the allocator as it is")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show everything: torch.profiler's own output, and the progress bar even when stderr "
+                             "is not a terminal (where otherwise a plain line every few seconds shows progress)")

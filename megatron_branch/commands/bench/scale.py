@@ -10,7 +10,9 @@ and the step time, and prints them next to what the planner's memory model
 (:func:`megatron_branch.commands.planner.memory.replay_peak_bytes`) predicts for the same model,
 layout and chunk, rank by rank. ``--json`` writes both (``measured_peak_bytes``,
 ``predicted_peak_bytes``: one entry per rank) with the layout. The processes share this
-machine's cores: the time shows the method works at this scale, not a GPU speed.
+machine's cores: the time shows the method works at this scale, not a GPU speed. A layout
+the model cannot take (``--tp`` not dividing its 4 attention heads and 2 query groups,
+``--chunk-tokens`` below ``--tp x --cp``) is refused before any process starts.
 """
 
 from __future__ import annotations
@@ -37,6 +39,39 @@ from megatron_branch.spec.builders import build_gpt, llama_config
 
 MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=192)
 VOCAB = 512
+# the run's sizes: run_bench_scale's keys and the command's flags (--prompt-len, ...)
+SIZES = ("prompt_len", "rollouts", "response_len", "cp", "tp", "chunk_tokens")
+
+
+def check_layout(cfg: Dict) -> None:
+    """Refuse a layout the spawned processes would fail on, before any process starts.
+
+    Args:
+        cfg: the run's sizes (:data:`SIZES`), as ``run_bench_scale`` takes them.
+
+    Raises:
+        ValueError: naming the flag: a size below 1; ``--tp`` not dividing the model's
+            attention heads or query groups (Megatron-Core's ``TransformerConfig`` asserts
+            both); ``--chunk-tokens`` below ``--tp x --cp`` (a chunk is split over the CP
+            ranks in multiples of TP for sequence parallelism, and a rank left without
+            tokens fails in the replay).
+    """
+    for name in SIZES:
+        if cfg[name] < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {cfg[name]}")
+    tp, cp, heads, groups = cfg["tp"], cfg["cp"], MODEL["num_attention_heads"], MODEL["num_query_groups"]
+    fits = " or ".join(str(t) for t in range(1, groups + 1) if heads % t == 0 and groups % t == 0)
+    for count, what in ((heads, "attention heads"), (groups, "query (key/value) groups")):
+        if count % tp:
+            raise ValueError(f"--tp {tp} does not divide the model's {count} {what}; use --tp {fits}")
+    if cfg["chunk_tokens"] < tp * cp:
+        raise ValueError(f"--chunk-tokens {cfg['chunk_tokens']} is below --tp {tp} x --cp {cp} = {tp * cp}: each "
+                         f"chunk is split over the {tp * cp} ranks and every rank needs at least one token of it")
+
+
+def validate(args) -> None:
+    """:func:`check_layout` of the command's flags (``megatron-branch``'s preflight)."""
+    check_layout({name: getattr(args, name) for name in SIZES})
 
 
 def _workload(cfg):
@@ -90,6 +125,8 @@ def predicted(cfg) -> List[float]:
 
 
 def run_bench_scale(cfg: Dict) -> Dict:
+    """Measure and predict every rank's peak for ``cfg`` (:data:`SIZES`; checked first)."""
+    check_layout(cfg)
     world = cfg["tp"] * cfg["cp"]
     with Progress(2, "bench-scale") as progress:
         pred = predicted(cfg)
@@ -130,9 +167,9 @@ def format_table(report: Dict) -> str:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--prompt-len", type=int, default=32768, help="prompt tokens (headline: 131072)")
-    parser.add_argument("--rollouts", type=int, default=16, help="rollouts per prompt (headline: 16)")
-    parser.add_argument("--response-len", type=int, default=768, help="response tokens (headline: 3072)")
+    parser.add_argument("--prompt-len", type=int, default=32768, help="prompt tokens; the headline workload has 131072")
+    parser.add_argument("--rollouts", type=int, default=16, help="rollouts per prompt; the headline workload has 16")
+    parser.add_argument("--response-len", type=int, default=768, help="response tokens; the headline workload has 3072")
     parser.add_argument("--cp", type=int, default=4, help="context-parallel processes")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel processes (sequence parallel)")
     parser.add_argument("--chunk-tokens", type=int, default=4096, help="streaming replay budget per forward")
@@ -140,12 +177,8 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    for name in ("prompt_len", "rollouts", "response_len", "cp", "tp", "chunk_tokens"):
-        if getattr(args, name) < 1:
-            print(f"megatron-branch bench-scale: --{name.replace('_', '-')} must be >= 1")
-            return 2
-    cfg = {k: getattr(args, k) for k in ("prompt_len", "rollouts", "response_len", "cp", "tp", "chunk_tokens")}
-    report = run_bench_scale(cfg)
+    cfg = {k: getattr(args, k) for k in SIZES}
+    report = run_bench_scale(cfg)  # the CLI's preflight has checked the layout (validate)
     print(format_table(report))
     if args.json:
         with open(args.json, "w") as f:

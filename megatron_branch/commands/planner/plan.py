@@ -3,8 +3,10 @@
 Searches the layouts a cluster allows, keeps those whose per-GPU memory fits (90% of
 the GPU, the rest for the allocator and communication buffers), and picks the fastest
 at a stated MFU. Prints the memory breakdown, FLOPs and step time next to the naive
-computation, and whether it fits. ``--validate`` first checks the activation model
-against peak memory measured on small CPU runs of this package.
+computation, and whether it fits. Where PP or CP can take one value only (PP must divide
+the layers, CP is the GPUs TP x PP x DP leave), a line says why (the JSON's ``held``).
+``--validate`` first checks the activation model against peak memory measured on small
+CPU runs of this package.
 
 Hybrid Gated DeltaNet models (Qwen3-Next, Qwen3.5) are planned with CP = 1 only: the
 package refuses context parallelism for their recurrent layers (a tree split over CP ranks
@@ -25,6 +27,7 @@ from megatron_branch.commands.planner.validate import format_validation, validat
 
 USABLE = 0.9
 CHUNKS = (4096, 8192, 16384, 32768)
+PIPELINE_SIZES = (1, 2, 4, 8)
 
 
 def _divisors(n: int) -> List[int]:
@@ -44,7 +47,7 @@ def hybrid_constraints(model: ModelSpec) -> List[str]:
 
 def candidate_layouts(model: ModelSpec, work: Workload, gpus: int) -> List[Layout]:
     out = []
-    for tp, pp, dp in itertools.product(_divisors(gpus), (1, 2, 4, 8), _divisors(gpus)):
+    for tp, pp, dp in itertools.product(_divisors(gpus), PIPELINE_SIZES, _divisors(gpus)):
         if tp > 8 or model.num_attention_heads % tp or model.num_kv_heads % tp:
             continue
         if gpus % (tp * pp * dp) or model.num_layers % pp or work.num_prompts % dp:
@@ -59,6 +62,45 @@ def candidate_layouts(model: ModelSpec, work: Workload, gpus: int) -> List[Layou
                 continue
             out.append(Layout(tp, cp, pp, dp, chunk, recompute, fp8, ep))
     return out
+
+
+def held_dimensions(model: ModelSpec, gpus: int, layouts: List[Layout]) -> List[str]:
+    """Why PP or CP has one value in every candidate layout: one line per such dimension.
+
+    Args:
+        model: the model planned.
+        gpus: the GPU count (on one GPU every size is 1; nothing is said).
+        layouts: :func:`candidate_layouts`' result.
+
+    Returns:
+        Lines such as "PP held at 1: none of the pipeline sizes searched (2, 4, 8) divides
+        the model's 61 layers"; empty when the search could vary both.
+    """
+    if gpus == 1 or not layouts:
+        return []
+    lines = []
+    pps = {lay.pp for lay in layouts}
+    if len(pps) == 1:
+        lines.append(f"PP held at {pps.pop()}: {_pp_reason(model, gpus)}")
+    cps = {lay.cp for lay in layouts}
+    if len(cps) == 1:
+        cp = cps.pop()
+        why = ("the package refuses context parallelism for Gated DeltaNet layers" if model.is_hybrid else
+               f"CP = GPUs / (TP x PP x DP), and TP x PP x DP = {gpus // cp} is the only product the model and "
+               f"workload allow on {gpus} GPUs")
+        lines.append(f"CP held at {cp}: {why}")
+    return lines
+
+
+def _pp_reason(model: ModelSpec, gpus: int) -> str:
+    searched = [p for p in PIPELINE_SIZES if p > 1]
+    dividing = [p for p in searched if model.num_layers % p == 0]
+    if not dividing:
+        return (f"none of the pipeline sizes searched ({', '.join(map(str, searched))}) divides the model's "
+                f"{model.num_layers} layers")
+    if all(gpus % p for p in dividing):
+        return f"PP {', '.join(map(str, dividing))} divide the {model.num_layers} layers but not the {gpus} GPUs"
+    return f"the only pipeline size that fills the {gpus} GPUs with the TP, CP and DP the model and workload allow"
 
 
 def evaluate(model: ModelSpec, work: Workload, lay: Layout, gpu: GPUSpec, mfu: float) -> Dict:
@@ -76,7 +118,8 @@ def plan(model: ModelSpec, work: Workload, gpu: GPUSpec, gpus: int, mfu: float =
         raise ValueError(f"gpus: must be >= 1, got {gpus}")
     if not 0 < mfu <= 1:
         raise ValueError(f"mfu: must be in (0, 1], got {mfu}")
-    options = [evaluate(model, work, lay, gpu, mfu) for lay in candidate_layouts(model, work, gpus)]
+    layouts = candidate_layouts(model, work, gpus)
+    options = [evaluate(model, work, lay, gpu, mfu) for lay in layouts]
     if not options:
         hybrid = ("; " + "; ".join(hybrid_constraints(model)) + f"; DP must divide the {work.num_prompts} prompt(s)"
                   if model.is_hybrid else "")
@@ -99,7 +142,7 @@ def plan(model: ModelSpec, work: Workload, gpu: GPUSpec, gpus: int, mfu: float =
             "params_total": model.num_params(), "params_active": model.active_params(),
             "naive_positions": work.naive_positions, "unique_positions": work.unique_positions,
             "best": best, "fits": bool(fitting), "reason": reason, "layouts_considered": len(options),
-            "constraints": hybrid_constraints(model)}
+            "constraints": hybrid_constraints(model), "held": held_dimensions(model, gpus, layouts)}
 
 
 def format_plan(result: Dict) -> str:
@@ -115,6 +158,7 @@ def format_plan(result: Dict) -> str:
         f"{' EP=' + str(lay['ep']) if result['model'].get('num_experts') else ''}, chunk {lay['chunk_tokens']} tokens, "
         f"recompute {lay['recompute']}, FP8 {'on' if lay['fp8'] else 'off'}, streaming exact replay "
         f"(recompute_stem=True)",
+        *(f"  {why}" for why in result.get("held", ())),
         "memory per GPU:",
     ]
     if result["model"].get("num_experts"):
@@ -164,7 +208,8 @@ def main(args) -> int:
         model = MODELS[args.model]
     if args.naive_positions:
         if args.naive_positions % args.rollouts:
-            raise SystemExit(f"--naive-positions {args.naive_positions} is not a multiple of --rollouts {args.rollouts}")
+            raise SystemExit(f"--naive-positions {args.naive_positions} is not a multiple of "
+                             f"--rollouts {args.rollouts}")
         per = args.naive_positions // args.rollouts
         work = Workload(per - args.response_len, args.rollouts, args.response_len, args.prompts)
     else:
@@ -186,7 +231,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--prompts", type=int, default=1, help="prompts per step")
     parser.add_argument("--naive-positions", type=int, default=None,
                         help="total naive positions instead of --prompt-len (prompt = this / rollouts - response)")
-    parser.add_argument("--gpu", choices=sorted(GPUS), default="H20")
+    parser.add_argument("--gpu", choices=sorted(GPUS), default="H20", help="GPU preset")
     parser.add_argument("--gpus", type=int, default=8, help="number of GPUs")
     parser.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed for time")
     parser.add_argument("--validate", action="store_true", help="check the memory model on CPU runs first")

@@ -20,33 +20,48 @@ from __future__ import annotations
 import os
 import sys
 
+from megatron_branch.commands.preflight import preset_default
 from megatron_branch.commands.study import report as rep
-from megatron_branch.commands.study.run import StudyConfig, StudyError, run_study
+from megatron_branch.commands.study.algos import ALGOS
+from megatron_branch.commands.study.run import MODES, StudyConfig, StudyError, run_study
+from megatron_branch.commands.study.tasks import TASKS
 
 __all__ = ["add_arguments", "main"]
 
 
 def add_arguments(parser) -> None:
+    # the options left None take the preset's value (StudyConfig or StudyConfig.quick()), stated in the help
+    full, quick = StudyConfig(), StudyConfig.quick()
     parser.add_argument("--quick", action="store_true",
                         help="tiny setting (one seed, a few steps; < 3 minutes on 2 cores; used by the tests)")
     parser.add_argument("--out", default="study_out", help="directory for study.json and the PNGs")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the JSON here instead of OUT/study.json")
     parser.add_argument("--experiments", nargs="+", default=None, metavar="ALGO:TASK",
-                        help="e.g. grpo:count-up grpo:opener ppo:opener dpo:count-up")
-    parser.add_argument("--modes", nargs="+", default=None,
-                        choices=["naive", "exact", "exact-streaming", "tail-only"])
-    parser.add_argument("--seeds", nargs="+", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=None, help="sampling steps per run")
-    parser.add_argument("--prompt-len", type=int, default=None)
+                        help=f"what to train: algorithms {', '.join(sorted(ALGOS))} on tasks "
+                             f"{', '.join(sorted(TASKS))} {preset_default(full.experiments, quick.experiments)}")
+    parser.add_argument("--modes", nargs="+", default=None, choices=list(MODES),
+                        help=f"ways to compute the update {preset_default(full.modes, quick.modes)}")
+    parser.add_argument("--seeds", nargs="+", type=int, default=None,
+                        help=f"policy and sampling seeds {preset_default(full.seeds, quick.seeds)}")
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"sampling steps per run {preset_default(full.steps, quick.steps)}")
+    parser.add_argument("--prompt-len", type=int, default=None,
+                        help=f"prompt tokens {preset_default(full.prompt_len, quick.prompt_len)}")
     parser.add_argument("--chunk-tokens", type=int, default=None,
                         help="streaming budget (default: tails x tail length)")
     parser.add_argument("--naive-micro-batch", type=int, default=None, metavar="N",
                         help="rollouts per naive micro-batch (default: all in one batch); time 1, 2, 4, ... "
                              "and compare against the fastest")
-    parser.add_argument("--lr", type=float, default=None, help="AdamW learning rate for every algorithm")
-    parser.add_argument("--threshold", type=float, default=None, help="reward threshold for the summary")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    per_algo = "".join(f", {a} {lr:g}" for a, lr in sorted(full.lr_by_algo.items()))
+    parser.add_argument("--lr", type=float, default=None,
+                        help=f"AdamW learning rate for every algorithm (default: {full.lr:g}{per_algo})")
+    parser.add_argument("--threshold", type=float, default=None,
+                        help=f"reward threshold for the summary {preset_default(full.threshold, quick.threshold)}")
+    parser.add_argument("--threads", type=int, default=None,
+                        help=f"torch threads {preset_default(full.threads, quick.threads)}")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNGs")
+    parser.add_argument("--verbose", action="store_true",
+                        help="the progress bar even when stderr is not a terminal (there: a line every few seconds)")
 
 
 def main(args) -> int:
@@ -64,7 +79,7 @@ def main(args) -> int:
         print(f"megatron-branch study: {exc}", file=sys.stderr)
         return 2
     try:
-        result = run_study(cfg)
+        result = run_study(cfg, verbose=args.verbose)
     except StudyError as exc:
         print(f"megatron-branch study: {exc}", file=sys.stderr)
         return 1

@@ -508,8 +508,12 @@ def _versions() -> dict:
             "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "machine": platform.machine()}
 
 
-def run_study(cfg: StudyConfig, echo: Callable[[str], None] = print, progress: bool = True) -> dict:
+def run_study(cfg: StudyConfig, echo: Callable[[str], None] = print, progress: bool = True,
+              verbose: bool = False) -> dict:
     """Every experiment x seed x mode; returns ``{"runs": [...], "guard": ..., "config": ...}``.
+
+    ``progress`` shows a bar on a terminal and plain lines elsewhere; ``verbose`` the bar
+    wherever stderr goes (:class:`megatron_branch.commands.progress.Progress`).
 
     Raises:
         StudyError: the exactness guard failed.
@@ -523,7 +527,7 @@ def run_study(cfg: StudyConfig, echo: Callable[[str], None] = print, progress: b
     guard: Dict[str, float] = {}
     runs: List[RunRecord] = []
     total = len(cfg.experiments) * len(cfg.seeds) * cfg.steps
-    bar = Progress(total, "study") if progress else None
+    bar = Progress(total, "study", verbose=verbose) if progress else None
     start = time.perf_counter()
     try:
         for experiment in cfg.experiments:
@@ -531,7 +535,7 @@ def run_study(cfg: StudyConfig, echo: Callable[[str], None] = print, progress: b
                 recs = run_experiment(cfg, experiment, seed, on_step=bar.update if bar else None, guard=guard)
                 runs.extend(recs)
                 if bar:
-                    bar.stream.write("\n")
+                    bar.end_line()
                 naive = next((r for r in recs if r.mode == "naive"), None)
                 parts = []
                 for r in recs:
