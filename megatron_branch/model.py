@@ -155,3 +155,43 @@ class GradSync:
             for chunk in self.chunks:
                 stack.enter_context(chunk.no_sync())
             yield
+
+
+# Where Transformer Engine's modules live: TE itself, and Megatron's wrappers of it.
+_TE_MODULES = ("transformer_engine", "megatron.core.extensions.transformer_engine")
+
+
+def is_te_module(module: torch.nn.Module) -> bool:
+    """``module`` is a Transformer Engine layer (or Megatron's wrapper of one); by its
+    class's module name, so no TE import is needed on a machine without it."""
+    return type(module).__module__.startswith(_TE_MODULES)
+
+
+def low_precision_error(model: torch.nn.Module, has_te: bool) -> Optional[str]:
+    """Why ``model`` cannot honour its config's ``fp8`` / ``fp4`` (None if it can): only
+    Transformer Engine's linears run FP8 GEMMs; the local spec's would run in full
+    precision without a word."""
+    config = getattr(unwrap(model), "config", None)
+    for option in ("fp8", "fp4"):
+        value = getattr(config, option, None)
+        if value and not has_te:
+            return (f"{option}: TransformerConfig.{option}={value!r} but the model has no Transformer Engine linear "
+                    "layers, so it would run in full precision; build it with get_branch_layer_spec(use_te=True) "
+                    "on a machine with TE, or emulate FP8 with megatron_branch.integrations.fp8.emulate_fp8")
+    return None
+
+
+def refresh_fp8_weights(model: Chunks) -> None:
+    """Have Transformer Engine recast its FP8 weights at the next forward.
+
+    TE linears cache their weights' FP8 casts after the first micro-batch of a step and
+    only recast them when ``is_first_microbatch`` is set again, which Megatron's schedules
+    do (``set_is_first_microbatch()``). The package's own loops (``rollout_logprobs``,
+    ``replay_step`` and what runs on them) call the model directly, so they call this
+    before their first forward: without it every step after the first would compute with
+    the first step's FP8 weights. A no-op without FP8 (Megatron's method checks the config).
+    """
+    for chunk in as_chunks(model):
+        target = chunk if hasattr(chunk, "set_is_first_microbatch") else unwrap(chunk)
+        if hasattr(target, "set_is_first_microbatch"):
+            target.set_is_first_microbatch()

@@ -44,9 +44,10 @@ def make_loss(batch):
     return loss_fn
 
 
-def build(tp=1, pp=1, sp=False, mla=False, gdn=False, **overrides):
+def build(tp=1, pp=1, sp=False, mla=False, gdn=False, kernel=None, **overrides):
     """The test model for a layout; ``mla``: the multi-latent-attention model (YaRN RoPE);
-    ``gdn``: the hybrid Gated DeltaNet model (GDN, attention, GDN, attention)."""
+    ``gdn``: the hybrid Gated DeltaNet model (GDN, attention, GDN, attention); ``kernel``:
+    the tree attention kernel (default by device)."""
     from megatron_branch._megatron import parallel_state
     from megatron_branch.spec.builders import build_gpt, hybrid_config, llama_config, mla_config
 
@@ -59,7 +60,7 @@ def build(tp=1, pp=1, sp=False, mla=False, gdn=False, **overrides):
         config = hybrid_config(**GDN, **parallel, **overrides)
     else:
         config = llama_config(**MODEL, **parallel, **overrides)
-    return build_gpt(config, VOCAB, seed=0,
+    return build_gpt(config, VOCAB, seed=0, spec_kwargs={"kernel": kernel} if kernel else None,
                      pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage())
 
@@ -119,7 +120,7 @@ def worker(rank, world, port, layout, cases, weights, out_dir):
         from megatron_branch.training import wrap_ddp
 
         model = build(layout["tp"], layout["pp"], layout.get("sp", False), layout.get("mla", False),
-                      layout.get("gdn", False))
+                      layout.get("gdn", False), layout.get("kernel"))
         load_full_state(model, torch.load(weights))
         model = wrap_ddp(model)
         data = trees()
@@ -341,3 +342,35 @@ def hf_moe_worker(rank, world, port, ckpt, hf_config, sequences, out_dir):
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def fp8_plan_worker(rank, world, port, budgets, out_dir):
+    """Data-parallel ranks planning the same tree under different budgets, under FP8: the
+    ``ValueError`` of :func:`megatron_branch.replay.fp8.check_fp8_plan` on each ("" if none)."""
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import megatron_branch as mb
+    from megatron_branch._megatron import parallel_state
+    from megatron_branch.replay.fp8 import check_fp8_plan
+    from megatron_branch.replay.plan import plan_replay
+
+    mb.enable_cpu()
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        parallel_state.initialize_model_parallel()
+        model = build(fp8="hybrid")
+        message = ""
+        try:
+            check_fp8_plan(model, plan_replay(trees()["forest"][1], budgets[rank]))
+        except ValueError as e:
+            message = str(e)
+        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
+            f.write(message)
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def spawn_fp8_plan(budgets, out_dir, port):
+    start(fp8_plan_worker, (len(budgets), port, budgets, out_dir), len(budgets))
+    return [open(os.path.join(out_dir, f"error{r}.txt")).read() for r in range(len(budgets))]

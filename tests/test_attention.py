@@ -220,7 +220,7 @@ def test_math_kernel_tiles_by_default_and_stays_exact(monkeypatch):
     assert largest[128] < heads * 700 * 700 // 4, largest
 
 
-def test_fp8_pads_units_and_cp_shards_to_16_invisibly():
+def test_fp8_pads_units_and_cp_shards_to_16_invisibly(monkeypatch):
     from conftest import make_pair
 
     import megatron_branch as mb
@@ -234,13 +234,18 @@ def test_fp8_pads_units_and_cp_shards_to_16_invisibly():
     tree = _prompt_tails_tree(prompt=37, tails=3, tail_len=5)  # 52 tokens
     params = BranchPackedSeqParams.for_unit(tree, 0, tree.unique_positions, multiple=16)
     assert params.total == 64 and params.num_real == 52
-    # a local-spec model with fp8 set in its config (no TE here: plain GEMMs) pads to 16
-    fp8, _ = make_pair(fp8="hybrid")
+    # a unit padded to 16 (as FP8's TE GEMMs need; a local-spec model with fp8 set is refused,
+    # tests/test_fp8_emulation.py) gives the unpadded log-probs
+    from megatron_branch.scoring import unit
+
     plain, _ = make_pair()
-    seen = []
-    fp8.embedding.register_forward_hook(lambda m, a, out: seen.append(out.shape[0]))
     with torch.no_grad():
-        assert torch.equal(mb.rollout_logprobs(fp8, tree), mb.rollout_logprobs(plain, tree))
+        want = mb.rollout_logprobs(plain, tree)
+    monkeypatch.setattr(unit, "unit_multiple", lambda config: 16)
+    seen = []
+    plain.embedding.register_forward_hook(lambda m, a, out: seen.append(out.shape[0]))
+    with torch.no_grad():
+        assert torch.equal(mb.rollout_logprobs(plain, tree), want)
     assert seen == [64]
 
 

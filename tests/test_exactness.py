@@ -85,7 +85,7 @@ def test_logprobs_loss_and_every_gradient_match_naive(tree_name, backend):
     assert len(report.grad_rel_diffs) == len(list(stock.parameters()))
 
 
-@pytest.mark.parametrize("chunk_size, kernel", [(5, "flash_cpu"), (7, "math"), (None, "math")])
+@pytest.mark.parametrize("chunk_size, kernel", [(5, "flash_cpu"), (7, "math"), (None, "math"), (None, "flash_varlen")])
 def test_cascade_chunking_and_kernels_match_naive(chunk_size, kernel):
     batch = multi_level()
     branch, stock = make_pair(chunk_size=chunk_size, kernel=kernel)

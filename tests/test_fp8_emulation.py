@@ -49,3 +49,55 @@ def test_fp8_emulated_branch_replay_matches_fp8_emulated_naive():
 def test_unknown_modelopt_config():
     with pytest.raises(ValueError, match="no quantisation config"):
         emulate_fp8(torch.nn.Linear(2, 2), lambda m: None, config="NOPE_CFG")
+
+
+def _fp8_model():
+    config = llama_config(num_layers=1, hidden_size=32, num_attention_heads=2, num_query_groups=2, fp8="hybrid")
+    return build_gpt(config, 128, seed=0)
+
+
+def test_fp8_without_transformer_engine_linears_is_refused():
+    """fp8 in the config of a local-spec model would run in full precision without a word."""
+    model = _fp8_model()
+    tree = mb.BranchTree.from_sequences([[1, 2, 3, 4], [1, 2, 5]])
+    for run in (lambda: mb.rollout_logprobs(model, tree),
+                lambda: mb.replay_step(model, tree, lambda lp, ids: lp.sum()),
+                lambda: mb.replay_logprobs(model, tree)):
+        with pytest.raises(ValueError, match="fp8: TransformerConfig.fp8='hybrid' but the model has no Transformer "
+                                             "Engine linear layers"):
+            run()
+
+
+def test_our_loops_have_transformer_engine_recast_fp8_weights_every_step(monkeypatch):
+    """Megatron's set_is_first_microbatch flags every module that caches FP8 weight casts
+    (TE's ``is_first_microbatch``); rollout_logprobs and replay_step call it before their
+    first forward, as Megatron's schedules do (whether TE then recasts is gpu_check's)."""
+    from megatron_branch import model as handle
+    from megatron_branch.replay import step
+    from megatron_branch.scoring import logprobs
+
+    model = _fp8_model()
+    cache = model.decoder.layers[0].mlp.linear_fc1
+    cache.is_first_microbatch = False  # the attribute TE's linears keep
+    handle.refresh_fp8_weights(model)
+    assert cache.is_first_microbatch is True
+    calls = []
+    for module in (logprobs, step):
+        monkeypatch.setattr(module, "refresh_fp8_weights", calls.append)
+        monkeypatch.setattr(module, "check_model", lambda m, t: [])  # no TE here: skip the refusal
+    tree = mb.BranchTree.from_sequences([[1, 2, 3, 4], [1, 2, 5]])
+    mb.rollout_logprobs(model, tree)
+    mb.replay_step(model, tree, lambda lp, ids: lp.sum(), max_chunk_tokens=2)
+    assert calls == [model, model]
+
+
+@pytest.mark.parametrize("budgets, refused", [((None, None), False), ((12, 12), False), ((None, 12), True)])
+def test_data_parallel_ranks_with_different_units_under_fp8_are_refused_not_hung(budgets, refused, tmp_path):
+    """TE reduces FP8 amax over data x tensor x context parallel ranks after each forward:
+    ranks whose trees split into different numbers of units would hang; both raise instead."""
+    import dist_worker
+
+    from megatron_branch.distributed import free_port
+
+    errors = dist_worker.spawn_fp8_plan(budgets, str(tmp_path), free_port())
+    assert all(("tp_only_amax_red" in e) == refused for e in errors), errors

@@ -48,9 +48,9 @@ LAYOUTS = {"hybrid": dict(num_layers=4, linear_attention_freq=2),  # GDN, attent
            "pure_gdn": dict(num_layers=2, linear_attention_freq=[1, 1])}
 
 
-def gdn_pair(layout="hybrid", seed=0, **cfg):
+def gdn_pair(layout="hybrid", seed=0, kernel="math", **cfg):
     config = hybrid_config(**LAYOUTS[layout], **cfg)
-    branch = build_gpt(config, VOCAB, seed=seed, spec_kwargs={"kernel": "math"})
+    branch = build_gpt(config, VOCAB, seed=seed, spec_kwargs={"kernel": kernel})
     stock = build_gpt(config, VOCAB, branch=False)
     stock.load_state_dict(branch.state_dict())
     return branch, stock
@@ -164,14 +164,17 @@ def test_guard_a_branch_without_its_parents_state_differs(wrong, monkeypatch):
 
 
 @pytest.mark.parametrize("batch_fn", [multi_level_forest, one_prompt_tails])
-@pytest.mark.parametrize("budget, recompute_stem", [(12, False), (12, True), (3, False), (2, True)])
+@pytest.mark.parametrize("budget, recompute_stem, kernel", [(12, False, "math"), (12, True, "math"),
+                                                            (3, False, "math"), (2, True, "math"),
+                                                            (3, True, "flash_varlen")])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_streaming_replay_matches_naive_in_float64(batch_fn, budget, recompute_stem, layout):
+def test_streaming_replay_matches_naive_in_float64(batch_fn, budget, recompute_stem, kernel, layout):
     # small budgets split stems shorter than the convolution window: the path tail then
-    # spans several stems, and the state passes through a chain of stems
+    # spans several stems, and the state passes through a chain of stems; flash_varlen:
+    # the CUDA default's contract (its CPU side)
     batch = batch_fn()
     tree = mb.BranchTree.from_sequences(batch.sequences)
-    branch, stock = (m.double() for m in gdn_pair(layout))
+    branch, stock = (m.double() for m in gdn_pair(layout, kernel=kernel))
     for m in (branch, stock):
         use_kernel(m, recurrent_gated_delta_rule)
     loss = Loss(batch)

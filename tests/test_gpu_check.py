@@ -1,6 +1,7 @@
 """``tools/gpu_check.py`` tells the truth on a machine without a GPU: it refuses to run,
 and its report cannot pass by skipping (the section logic runs here on plain functions)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -52,3 +53,40 @@ def test_errors_and_failures_are_recorded_and_every_section_runs():
     assert report["sections"]["c"]["status"] == "passed"
     assert report["status"] == "failed" and report["not_passed"] == ["a", "b"]
     assert tool.run_sections([], echo=lambda line: None)["status"] == "failed"  # nothing ran: not a pass
+
+
+def test_a_section_past_its_time_fails_and_the_next_runs():
+    tool = _tool()
+
+    def slow():
+        import time
+
+        time.sleep(5)
+        return {"passed": True}
+
+    report = tool.run_sections([("slow", slow, 0.2), ("next", lambda: {"passed": True}, 5)], echo=lambda line: None)
+    assert report["sections"]["slow"]["status"] == "failed" and "0 s limit" in report["sections"]["slow"]["reason"]
+    assert report["sections"]["slow"]["seconds"] < 2 and report["sections"]["next"]["status"] == "passed"
+
+
+def test_the_quick_run_fits_eight_minutes():
+    tool = _tool()
+    assert sum(tool.TIMEOUTS.values()) <= 8 * 60 - 20  # 20 s for start-up, imports and the report
+
+
+def test_dry_run_exercises_every_section_on_the_cpu(tmp_path):
+    """Every section's code runs on the CPU at toy sizes (what needs CUDA or TE skips with
+    its reason), so the one GPU run is not spent on a typo."""
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, TOOL, "--dry-run", "--out", str(out)], capture_output=True, text=True,
+                          timeout=300)
+    report = json.loads(out.read_text())
+    sections = report["sections"]
+    assert list(sections) == ["contract", "parity_bf16", "exactness_local", "exactness_te", "fp8", "long_tree",
+                              "streaming", "host_syncs"]
+    for name, result in sections.items():
+        needs = "Transformer Engine" if name in ("exactness_te", "fp8") else "CUDA"
+        assert result["status"] == "passed" or (result["status"] == "skipped" and needs in result["reason"]), \
+            (name, result)
+    assert report["dry_run"] and proc.returncode == 1  # a dry run never passes: skipped sections fail it
+    assert sections["long_tree"]["unique_tokens"] < sections["long_tree"]["naive_tokens"]

@@ -146,6 +146,46 @@ def test_branch_spec_from_args_transformer_engine_needs_te():
         branch_spec_from_args(lm_args(transformer_impl="transformer_engine"))
 
 
+def core_kernels(spec):
+    """The ``kernel`` every tree-attention slot of a layer spec is built with."""
+    return {spec.submodules.self_attention.submodules.core_attention.params["kernel"]}
+
+
+def test_branch_spec_kernel_from_the_environment(monkeypatch, caplog):
+    import logging
+
+    from megatron_branch.integrations import options
+
+    monkeypatch.setattr(options, "_logged", set())
+    monkeypatch.delenv("MEGATRON_BRANCH_KERNEL", raising=False)
+    with caplog.at_level(logging.INFO, logger=options.__name__):
+        assert core_kernels(branch_spec_from_args(lm_args())) == {None}  # default by device and dtype
+        monkeypatch.setenv("MEGATRON_BRANCH_KERNEL", "math")
+        spec = branch_spec_from_args(lm_args())
+        branch_spec_from_args(lm_args())  # logged once
+    assert core_kernels(spec) == {"math"}
+    logged = [r.getMessage() for r in caplog.records]
+    assert logged == ["megatron_branch: tree-attention kernel default by device and dtype: flash_cpu on CPU; on "
+                      "CUDA flash_varlen for bf16/fp16, efficient_varlen for float32 ($MEGATRON_BRANCH_KERNEL unset)",
+                      "megatron_branch: tree-attention kernel math ($MEGATRON_BRANCH_KERNEL)"]
+    # the model runs with it
+    model = gpt(spec, llama_config(num_layers=2, hidden_size=64))
+    assert {layer.self_attention.core_attention.kernel for layer in model.decoder.layers} == {"math"}
+    # an explicit kernel (a model provider's) agrees with the variable or is refused
+    assert core_kernels(branch_spec_from_args(lm_args(), kernel="math")) == {"math"}
+    with pytest.raises(ValueError, match="MEGATRON_BRANCH_KERNEL=math"):
+        branch_spec_from_args(lm_args(), kernel="flash_cpu")
+
+
+@pytest.mark.parametrize("value", ["flash", "flash-varlen", "auto"])
+def test_branch_spec_refuses_an_unknown_kernel_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv("MEGATRON_BRANCH_KERNEL", value)
+    with pytest.raises(ValueError, match=f"^MEGATRON_BRANCH_KERNEL={value}: .* is not a tree-attention kernel"):
+        branch_spec_from_args(lm_args())
+    with pytest.raises(ValueError, match=f"^MEGATRON_BRANCH_KERNEL={value}: "):
+        validate_rl_args(rl_args())  # Megatron-RL fails at argument time
+
+
 # ----------------------------------------------------------------------------- Megatron-RL helpers
 PAD, EOD = 126, 127
 
@@ -335,6 +375,21 @@ def test_rl_branch_replay_validation_names_the_flag(overrides, flag):
     validate_rl_args(rl_args())  # the defaults pass
     with pytest.raises(ValueError, match=re.escape(flag)):
         validate_rl_args(rl_args(**overrides))
+
+
+def test_rl_branch_replay_budget_is_logged_once(monkeypatch, caplog):
+    import logging
+
+    from megatron_branch.integrations import options
+
+    monkeypatch.setattr(options, "_logged", set())
+    monkeypatch.delenv("MEGATRON_BRANCH_KERNEL", raising=False)
+    with caplog.at_level(logging.INFO, logger=options.__name__):
+        validate_rl_args(rl_args(rl_branch_replay_max_chunk_tokens=4096))
+        validate_rl_args(rl_args(rl_branch_replay_max_chunk_tokens=4096))
+    assert [r.getMessage() for r in caplog.records] == [
+        "megatron_branch: Megatron-RL old/reference log-probs by branch replay, at most 4096 tokens per forward "
+        "(--rl-branch-replay-max-chunk-tokens)"]
 
 
 def test_rl_branch_replay_validation_skips_options_a_release_lacks():

@@ -56,7 +56,7 @@ def test_logprobs_loss_and_every_gradient_match_stock_mla(tree_name, rope_type, 
     assert len(report.grad_rel_diffs) == len(list(stock.parameters()))
 
 
-@pytest.mark.parametrize("chunk_size, kernel", [(5, "flash_cpu"), (7, "math"), (None, "math")])
+@pytest.mark.parametrize("chunk_size, kernel", [(5, "flash_cpu"), (7, "math"), (None, "math"), (None, "flash_varlen")])
 def test_kernels_and_tiles_with_unequal_head_sizes(chunk_size, kernel):
     batch = TREES["multi_level"]()
     branch, stock = mla_pair(chunk_size=chunk_size, kernel=kernel, rope_type="yarn")

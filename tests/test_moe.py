@@ -44,10 +44,10 @@ def moe_config(**overrides):
     return llama_config(**kwargs)
 
 
-def make_pair(seed=0, **overrides):
+def make_pair(seed=0, kernel=None, **overrides):
     """(branch model, stock model) with identical weights."""
     config = moe_config(**overrides)
-    branch = build_gpt(config, VOCAB, seed=seed, spec_kwargs=SPEC)
+    branch = build_gpt(config, VOCAB, seed=seed, spec_kwargs=dict(SPEC, kernel=kernel))
     stock = build_gpt(config, VOCAB, branch=False, spec_kwargs=SPEC)
     stock.load_state_dict(branch.state_dict())
     return branch, stock
@@ -141,10 +141,10 @@ def test_one_pass_matches_naive_batch(losses, batch):
     check(branch, stock, seqs, one_pass)
 
 
-@pytest.mark.parametrize("recompute_stem", [False, True])
-def test_streaming_replay_matches_naive_batch(recompute_stem):
+@pytest.mark.parametrize("recompute_stem, kernel", [(False, None), (True, None), (True, "flash_varlen")])
+def test_streaming_replay_matches_naive_batch(recompute_stem, kernel):
     seqs = ragged()
-    branch, stock = make_pair(**LOSSES["all_three"])
+    branch, stock = make_pair(kernel=kernel, **LOSSES["all_three"])
 
     def stream(model, tree, loss_fn):
         stats = mb.replay_step(model, tree, loss_fn, max_chunk_tokens=10, recompute_stem=recompute_stem)

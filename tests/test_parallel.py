@@ -64,15 +64,19 @@ def test_the_budget_24_cases_run_stems_with_complete_subtrees():
                                    ("multi_level", 12, "p2p")]),
     ({"tp": 2, "cp": 2, "pp": 1, "sp": True}, [("multi_level", None, "p2p"), ("forest", 12, "allgather"),
                                                ("multi_level", 24, "allgather")]),
-], ids=["tp2", "tp2-sp", "cp2", "cp4", "tp2-sp-cp2"])
+    # the CUDA default's varlen contract (its CPU side): CP's clipped pieces and sharded path
+    ({"tp": 1, "cp": 2, "pp": 1, "kernel": "flash_varlen"}, CP_CASES),
+], ids=["tp2", "tp2-sp", "cp2", "cp4", "tp2-sp-cp2", "cp2-flash_varlen"])
 def test_parallel_layout_matches_single_process(layout, cases, reference, tmp_path):
     ranks = dist_worker.spawn(layout, cases, str(reference[0]), str(tmp_path), free_port())
     check(ranks, reference, cases)
 
 
-def test_pipeline_parallel_schedule_matches_single_process(reference, tmp_path):
+@pytest.mark.parametrize("kernel", [None, "flash_varlen"])
+def test_pipeline_parallel_schedule_matches_single_process(kernel, reference, tmp_path):
     cases = [("multi_level", None, "allgather"), ("forest", None, "allgather")]
-    ranks = dist_worker.spawn({"tp": 1, "cp": 1, "pp": 2}, cases, str(reference[0]), str(tmp_path), free_port())
+    layout = {"tp": 1, "cp": 1, "pp": 2, "kernel": kernel}
+    ranks = dist_worker.spawn(layout, cases, str(reference[0]), str(tmp_path), free_port())
     check(ranks, reference, cases, lp=False)
 
 

@@ -64,7 +64,7 @@ def leaf_subtree_size(tree):
 @pytest.mark.parametrize("batch_fn", [multi_level_forest, one_prompt_tails])
 @pytest.mark.parametrize("chunk", ["all", "one_rollout", "several", 3, 1])
 @pytest.mark.parametrize("recompute_stem", [False, True])
-def test_exact_replay_matches_naive_and_single_pass(batch_fn, chunk, recompute_stem):
+def test_exact_replay_matches_naive_and_single_pass(batch_fn, chunk, recompute_stem, kernel=None):
     batch = batch_fn()
     tree = mb.BranchTree.from_sequences(batch.sequences)
     budget = {
@@ -72,7 +72,7 @@ def test_exact_replay_matches_naive_and_single_pass(batch_fn, chunk, recompute_s
         "one_rollout": leaf_subtree_size(tree),
         "several": 3 * leaf_subtree_size(tree),
     }.get(chunk, chunk)
-    branch, stock = make_pair()
+    branch, stock = make_pair(kernel=kernel)
     loss = Loss(batch)
     ref_loss, ref_grads = naive_truth(stock, batch, loss)
 
@@ -92,6 +92,14 @@ def test_exact_replay_matches_naive_and_single_pass(batch_fn, chunk, recompute_s
 
     assert stats.positions_forwarded == tree.unique_positions + stats.positions_recomputed
     assert (stats.positions_recomputed > 0) == (recompute_stem and stats.num_stems > 0)
+
+
+@pytest.mark.parametrize("batch_fn", [multi_level_forest, one_prompt_tails])
+@pytest.mark.parametrize("chunk, recompute_stem", [("all", False), ("several", True), (3, False), (1, True)])
+def test_exact_replay_with_the_varlen_kernel(batch_fn, chunk, recompute_stem):
+    """The CUDA default's contract (flash_varlen, its CPU side): streaming's stems, chunks
+    and cached path through varlen calls."""
+    test_exact_replay_matches_naive_and_single_pass(batch_fn, chunk, recompute_stem, kernel="flash_varlen")
 
 
 @pytest.mark.parametrize(

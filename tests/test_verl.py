@@ -23,13 +23,16 @@ from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHe
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
 from megatron_branch.cpu import cuda_factories_on_cpu  # noqa: E402
+from megatron_branch.integrations.options import BranchOptions  # noqa: E402
 from megatron_branch.integrations.verl import (  # noqa: E402
     BranchMegatronEngine,
+    branch_layer_spec,
     check_config,
     check_micro_batch,
     pack_groups,
     split_to,
 )
+from megatron_branch.integrations.verl import engine as engine_module  # noqa: E402
 from megatron_branch.reference.agreement import compare_grads  # noqa: E402
 from megatron_branch.spec.builders import build_gpt, llama_config  # noqa: E402
 from megatron_branch.training import ExactnessCheck  # noqa: E402
@@ -133,6 +136,62 @@ def test_ppo_loss_gradients_match_verls_stock_engine():
         ours = engine(BranchMegatronEngine, b).forward_backward_batch(grpo_batch(), None, forward_only=True)
     for s, o in zip(stock["model_output"]["log_probs"].unbind(), ours["model_output"]["log_probs"].unbind()):
         assert (s[:-1] - o[:-1]).abs().max() < TOL
+
+
+def branch_config(**branch):
+    """verl's engine config with megatron_branch's choices under override_mcore_model_config.branch."""
+    return McoreEngineConfig(override_mcore_model_config={"branch": branch})
+
+
+def test_the_engine_config_chooses_the_kernel():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = branch_layer_spec(get_gpt_layer_local_spec(normalization="RMSNorm"), kernel="math")
+    assert spec.submodules.self_attention.submodules.core_attention.params["kernel"] == "math"
+    _, b = models()
+    eng = engine(BranchMegatronEngine, b)
+    eng.engine_config = branch_config(kernel="efficient_varlen", max_chunk_tokens=64)
+    assert eng._options() == BranchOptions(kernel="efficient_varlen", max_chunk_tokens=64)
+
+
+def test_forward_only_log_probs_stream_within_the_budget(monkeypatch):
+    """With max_chunk_tokens, a forward-only pass without entropy (verl's ref log-probs)
+    streams the tree (replay_logprobs); its log-probs are verl's stock ones. With entropy
+    (verl's old log-probs) or gradients it runs one forward."""
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["max_chunk_tokens"])
+        return replay(*args, **kwargs)
+
+    replay = engine_module.replay_logprobs
+    monkeypatch.setattr(engine_module, "replay_logprobs", spy)
+    a, b = models()
+    td = grpo_batch()
+    tu.assign_non_tensor(td, calculate_entropy=False)
+    eng = engine(BranchMegatronEngine, b)
+    eng.engine_config = branch_config(max_chunk_tokens=4)
+    with torch.no_grad():
+        stock = forward(engine(MegatronEngineWithLMHead, a), a, td)
+        ours = forward(eng, b, td)
+    assert calls == [4]
+    for i, (s, o) in enumerate(zip(stock["log_probs"].unbind(), ours["log_probs"].unbind())):
+        assert s.shape == o.shape, i
+        assert (s[:-1] - o[:-1]).abs().max() < TOL, i
+        assert float(o[-1]) == 0.0
+    with torch.no_grad():
+        forward(eng, b, grpo_batch())  # entropy asked: one forward
+    forward(eng, b, td)  # gradients: one forward
+    assert calls == [4]
+
+
+def test_bad_branch_options_are_refused_naming_the_key():
+    _, b = models()
+    for branch, key in (({"kernel": "flash"}, "branch.kernel"), ({"max_chunk_tokens": 0}, "branch.max_chunk_tokens")):
+        eng = engine(BranchMegatronEngine, b)
+        eng.engine_config = branch_config(**branch)
+        with pytest.raises(ValueError, match=f"megatron.override_mcore_model_config.{key}"):
+            eng.forward_backward_batch(grpo_batch(), None, forward_only=True)
 
 
 def test_micro_batches_keep_groups_whole_and_split_only_when_needed():

@@ -213,11 +213,28 @@ def _group_rank(layout: CPLayout, r: int) -> int:
     return dist.get_global_rank(layout.group, r)
 
 
+_P2P_READY: set = set()  # CP groups whose communicator a collective has set up
+
+
+def _set_up_p2p(layout: CPLayout, device) -> None:
+    """One all-reduce on the CP group before its first point-to-point batch.
+
+    With NCCL, the first ``batch_isend_irecv`` on a group must involve every rank of it;
+    a rank whose shard needs no other shard (and sends to none) makes no such call, and
+    the others would hang there. Every rank runs this (it precedes the ops), once per group.
+    """
+    key = id(layout.group)
+    if key not in _P2P_READY:
+        dist.all_reduce(torch.zeros(1, device=device), group=layout.group)
+        _P2P_READY.add(key)
+
+
 class _ExchangeRows(torch.autograd.Function):
     """Point-to-point: receive only the shards this rank's queries can see."""
 
     @staticmethod
     def forward(ctx, x: Tensor, layout: CPLayout) -> Tensor:
+        _set_up_p2p(layout, x.device)
         me, need = layout.rank, layout.need
         total = layout.bounds[-1][1]
         out = x.new_zeros((total,) + tuple(x.shape[1:]))

@@ -15,10 +15,13 @@ requires: ``P = exp(S - lse_merged)``, ``D = rowsum(dO * O_merged)``.
   fewer than :data:`FLASH_CPU_SERIAL_KEYS` keys run on one intra-op thread
   (:func:`serial_if_few_keys`).
 * ``math``: plain matmuls in float32 on any device; memory O(nq * nk * heads), so the
-  caller tiles keys as well as queries. The default off CPU until ``flash_cuda`` has
-  passed ``tools/gpu_check.py`` on a GPU.
-* ``flash_cuda``: torch's CUDA flash kernel with its log-sum-exp (bf16/fp16); opt in with
+  caller tiles keys as well as queries: the reference.
+* ``flash_cuda``: torch's CUDA FlashAttention-2 with its log-sum-exp (bf16/fp16), a batch
+  of equal pieces as equal varlen sequences; opt in with
   ``get_branch_layer_spec(kernel="flash_cuda")``.
+
+The CUDA default is neither: the varlen kernels of :mod:`megatron_branch.attention.varlen`
+run a whole tree in ``1 + depth`` calls (:func:`default_kernel`).
 
 Value heads may be narrower or wider than query/key heads (multi-latent attention:
 ``qk_head_dim + qk_pos_emb_head_dim`` against ``v_head_dim``). The flash kernels need one
@@ -140,28 +143,48 @@ def math_backward(
     return dq, dk, dv
 
 
+def _uniform_cu(count: int, length: int, device) -> Tensor:
+    # cu_seqlens of `count` sequences of `length` rows, made on the device (no host copy)
+    return torch.arange(0, (count + 1) * length, max(length, 1), dtype=torch.int32, device=device)[: count + 1]
+
+
 def flash_cuda_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
-    # torch's CUDA flash kernel (bf16/fp16 only). Not yet exercised on a GPU in CI:
-    # tools/gpu_check.py compares it with the dense reference before it becomes a default.
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-        _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, False, scale=scale
-    )[:2]
+    """torch's CUDA FlashAttention-2 (bf16/fp16) on a piece or a batch of equal pieces, as
+    varlen sequences of equal length (``aten::_flash_attention_forward`` with ``cu_seqlens``:
+    GQA by the kernel, the log-sum-exp returned). Causal pieces are squares here (FA2
+    aligns causal masks bottom-right, :func:`top_left_causal`)."""
     batched = q.dim() == 4
-    nq = q.shape[-3]
-    return _back(out, batched), (lse[:, :, :nq] if batched else lse[0, :, :nq])
+    qb, kb, vb = (x if batched else x.unsqueeze(0) for x in (q, k, v))  # [B, n, h, d]
+    b, nq, h, _ = qb.shape
+    nk = kb.shape[1]
+    out, lse = torch.ops.aten._flash_attention_forward(
+        qb.reshape(b * nq, h, -1), kb.reshape(b * nk, kb.shape[2], -1), vb.reshape(b * nk, vb.shape[2], -1),
+        _uniform_cu(b, nq, q.device), _uniform_cu(b, nk, q.device), nq, nk, 0.0, causal, False, scale=scale,
+    )[:2]
+    # out [B * nq, h, d] -> [(B,) nq, h, d]; lse [h, B * nq] -> [(B,) h, nq]
+    out = out.view(b, nq, h, -1)
+    lse = lse.view(h, b, nq).transpose(0, 1)
+    return (out, lse) if batched else (out[0], lse[0])
 
 
 def flash_cuda_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    empty = torch.empty(0, dtype=torch.int64, device=q.device)
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        _bhsd(dout).contiguous(), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out).contiguous(),
-        _blse(lse).contiguous(), empty, empty, q.shape[-3], k.shape[-3], 0.0, causal, empty, empty,
-        scale=scale,
-    )
+    """The backward of :func:`flash_cuda_forward` given any (merged) ``out``/``lse``."""
     batched = q.dim() == 4
-    return _back(dq, batched), _back(dk, batched), _back(dv, batched)
+    qb, kb, vb, ob, dob = (x if batched else x.unsqueeze(0) for x in (q, k, v, out, dout))
+    lb = lse if batched else lse.unsqueeze(0)  # [B, h, nq]
+    b, nq, h, _ = qb.shape
+    nk, hk = kb.shape[1], kb.shape[2]
+    flat = lambda x, n, heads: x.reshape(b * n, heads, -1).contiguous()  # noqa: E731
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        flat(dob, nq, h), flat(qb, nq, h), flat(kb, nk, hk), flat(vb, nk, hk), flat(ob, nq, h),
+        lb.transpose(0, 1).reshape(h, b * nq).contiguous(), _uniform_cu(b, nq, q.device),
+        _uniform_cu(b, nk, q.device), nq, nk, 0.0, causal,
+        torch.zeros((2,), dtype=torch.uint64, device=q.device), torch.empty(0, device=q.device), scale=scale,
+    )
+    shape = (lambda x, n, heads: x.view(b, n, heads, -1)) if batched else (lambda x, n, heads: x.view(n, heads, -1))
+    return shape(dq, nq, h), shape(dk, nk, hk), shape(dv, nk, hk)
 
 
 def _pad_to(x: Tensor, width: int) -> Tensor:
@@ -248,8 +271,9 @@ def top_left_causal(kernel: str) -> bool:
 
 
 def takes_gqa(kernel: str) -> bool:
-    """The kernel groups query heads over fewer K/V heads itself (no repeated K/V)."""
-    return kernel == "flash_cpu" and cpu_flash_takes_gqa()
+    """The kernel groups query heads over fewer K/V heads itself (no repeated K/V):
+    FlashAttention-2 does; torch's CPU flash kernel where the probe says so."""
+    return kernel == "flash_cuda" or (kernel == "flash_cpu" and cpu_flash_takes_gqa())
 
 
 KERNELS = {
@@ -260,5 +284,9 @@ KERNELS = {
 
 
 def default_kernel(device: torch.device, dtype: Optional[torch.dtype] = None) -> str:
-    """The kernel used when none is named: the fused flash kernel on CPU, else ``math``."""
-    return "flash_cpu" if device.type == "cpu" else "math"
+    """The kernel used when none is named: torch's fused flash kernel on CPU; on CUDA the
+    varlen kernels (:mod:`megatron_branch.attention.varlen`), FlashAttention-2 for bf16/fp16
+    and the memory-efficient kernel for float32 (FlashAttention has none)."""
+    if device.type == "cpu":
+        return "flash_cpu"
+    return "flash_varlen" if dtype in (torch.float16, torch.bfloat16) else "efficient_varlen"

@@ -150,8 +150,9 @@ class PathCache:
 
     def nbytes(self) -> int:
         """Bytes of K/V held for the current path (all layers)."""
+        # per row: a K and a V row (a rank may hold no row of the path under CP: 0 bytes)
         return sum(self.length * (k[0].numel() * k.element_size() + v[0].numel() * v.element_size())
-                   for k, v in self.kv.values()) + self.recurrent.nbytes()
+                   for k, v in self.kv.values() if k.shape[0]) + self.recurrent.nbytes()
 
 
 class _PathPrefix(torch.autograd.Function):

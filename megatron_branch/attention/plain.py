@@ -32,6 +32,8 @@ from torch import Tensor
 
 from megatron_branch._megatron import AttnMaskType
 from megatron_branch.attention.cascade import AttentionPiece, cascade_attention, plan_batches, plan_pieces, tile_rect
+from megatron_branch.attention.varlen import VARLEN_KERNELS
+from megatron_branch.attention.varlen_cascade import varlen_calls, varlen_cascade_attention
 from megatron_branch.tree import BranchSegment
 
 CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.causal_bottom_right, AttnMaskType.padding_causal)
@@ -140,6 +142,9 @@ def thd_attention(query: Tensor, key: Tensor, value: Tensor, packed_seq_params, 
         raise ValueError(f"query: THD packing expects [t, heads, head_dim], got {tuple(query.shape)}")
     t, h, _ = query.shape
     causal = mask_type is None or mask_type in CAUSAL_TYPES
+    if kernel in VARLEN_KERNELS:  # the sequences as they are: one call
+        calls = varlen_calls(thd_pieces(packed_seq_params, t, causal), t, t, query.device)
+        return varlen_cascade_attention(query, key, value, calls, scale, kernel).reshape(t, -1)
     pieces = thd_pieces(packed_seq_params, t, causal, q_block, k_block)
     batches = plan_batches(pieces, q_block * k_block if q_block and k_block else None, num_rows=t)
     out = cascade_attention(query, key, value, batches, scale, kernel)

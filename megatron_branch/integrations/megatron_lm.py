@@ -14,6 +14,12 @@ with tree attention in every attention layer and the tree recurrence in every Ga
 naive-batch statistics (:func:`megatron_branch.spec.moe.apply_branch_moe`). Model dimensions (``--kv-channels``
 and the rest) live in the ``TransformerConfig``, which Megatron-LM builds as usual.
 
+The tree-attention kernel comes from ``$MEGATRON_BRANCH_KERNEL`` (``flash_varlen``,
+``efficient_varlen``, ``flash_cpu``, ``flash_cuda`` or ``math``; unset: by device and dtype),
+read and checked when the spec is built and logged once
+(:mod:`megatron_branch.integrations.options`): ``--spec`` imports a fixed object, and stock
+``pretrain_gpt.py`` has no place for an argument of ours.
+
 Use :func:`branch_spec_from_args` to build the spec yourself (e.g. in a model provider).
 """
 
@@ -30,11 +36,33 @@ from megatron_branch._megatron import (
     get_gpt_layer_with_transformer_engine_spec,
     get_transformer_block_with_experimental_attention_variant_spec,
 )
+from megatron_branch.integrations.options import KERNEL_ENV, check_kernel, describe_kernel, kernel_from_env, log_once
 from megatron_branch.spec import apply_branch_attention, apply_branch_moe, get_branch_layer_spec
 from megatron_branch.spec.stock_hybrid import get_local_hybrid_block_spec
 
 
-def branch_spec_from_args(args, config=None, vp_stage: Optional[int] = None):
+def spec_kernel(kernel: Optional[str] = None) -> Optional[str]:
+    """The tree-attention kernel of a spec built from Megatron-LM's arguments: ``kernel``
+    if given, else ``$MEGATRON_BRANCH_KERNEL``, else ``None`` (the default by device and
+    dtype). Logged once per process.
+
+    Raises:
+        ValueError: a name that is not a kernel, or ``kernel`` and the variable naming two.
+    """
+    from_env = kernel_from_env()
+    kernel = check_kernel(kernel, "kernel")
+    if kernel is not None and from_env is not None and kernel != from_env:
+        raise ValueError(f"kernel: {kernel!r} given, but {KERNEL_ENV}={from_env}; unset one of them")
+    chosen = kernel if kernel is not None else from_env
+    if kernel is not None:
+        source = "argument"
+    else:
+        source = f"${KERNEL_ENV}" if from_env is not None else f"${KERNEL_ENV} unset"
+    log_once(f"megatron_branch: tree-attention kernel {describe_kernel(chosen)} ({source})")
+    return chosen
+
+
+def branch_spec_from_args(args, config=None, vp_stage: Optional[int] = None, kernel: Optional[str] = None):
     """The branch spec for Megatron-LM's parsed ``args``.
 
     Args:
@@ -42,13 +70,16 @@ def branch_spec_from_args(args, config=None, vp_stage: Optional[int] = None):
         config: the model's ``TransformerConfig`` (needed for MoE layer patterns; built
             from ``args`` with Megatron-LM's ``core_transformer_config_from_args`` if None).
         vp_stage: the virtual pipeline stage (block specs are per stage).
+        kernel: the tree-attention kernel; ``None``: ``$MEGATRON_BRANCH_KERNEL``, else the
+            default by device and dtype (:func:`spec_kernel`).
 
     Raises:
         ValueError: options the branch spec cannot honour exactly (experimental
             attention variants other than ``gated_delta_net``, ``--mla-down-proj-fusion``,
             ``--qk-l2-norm``, heterogeneous
             layers, multi-token prediction, attention dropout, ``--attention-backend
-            local``, ``--transformer-impl`` other than ``local``/``transformer_engine``).
+            local``, ``--transformer-impl`` other than ``local``/``transformer_engine``),
+            or an unknown kernel (``MEGATRON_BRANCH_KERNEL=...`` named).
     """
     variant = getattr(args, "experimental_attention_variant", None)
     if variant not in (None, "gated_delta_net"):
@@ -78,6 +109,7 @@ def branch_spec_from_args(args, config=None, vp_stage: Optional[int] = None):
         if not HAVE_TE:
             raise ValueError("--transformer-impl transformer_engine: Transformer Engine is not importable "
                              "here; pass --transformer-impl local")
+    kernel = spec_kernel(kernel)  # checked before the base spec is built, logged once
     if variant == "gated_delta_net":
         # Qwen3-Next / Qwen3.5 layout: GDN and attention layers from --linear-attention-freq
         if config is None:
@@ -105,7 +137,7 @@ def branch_spec_from_args(args, config=None, vp_stage: Optional[int] = None):
     else:
         base = get_gpt_layer_local_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm,
                                         multi_latent_attention=bool(getattr(args, "multi_latent_attention", False)))
-    spec = apply_branch_attention(base)
+    spec = apply_branch_attention(base, kernel=kernel)
     # router statistics weighted by multiplicity (naive-batch aux/z losses and counts); a no-op without MoE layers
     return apply_branch_moe(spec)
 

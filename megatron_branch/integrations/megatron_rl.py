@@ -16,6 +16,7 @@ from typing import Iterable, Optional
 import torch
 from torch import Tensor
 
+from megatron_branch.integrations.options import check_max_chunk_tokens, describe_budget, kernel_from_env, log_once
 from megatron_branch.replay.step import replay_logprobs
 from megatron_branch.scoring.logprobs import rollout_logprobs
 from megatron_branch.tree import BranchTree
@@ -134,10 +135,13 @@ def validate_args(args) -> None:
     GRPO group (the answers of one prompt share their prompt only inside one tree):
     ``--grpo-prompts-per-step`` must divide over the data-parallel ranks and
     ``--micro-batch-size`` be a multiple of ``--grpo-group-size``. Options the release does
-    not have are skipped.
+    not have are skipped. ``--rl-branch-replay-max-chunk-tokens`` (the budget of the old and
+    reference log-prob replays) and ``$MEGATRON_BRANCH_KERNEL`` (the spec's kernel, read again
+    when the spec is built) are checked here too; the budget in use is logged once.
 
     Raises:
-        ValueError: ``--rl-branch-replay: ...`` naming the flag.
+        ValueError: ``--rl-branch-replay: ...`` naming the flag, or the bad budget or
+            ``MEGATRON_BRANCH_KERNEL`` value named.
     """
     for name, refused, what in _REFUSED:
         if refused(getattr(args, name, None)):
@@ -151,6 +155,8 @@ def validate_args(args) -> None:
         raise ValueError(f"--rl-branch-replay: --micro-batch-size ({args.micro_batch_size}) must be a multiple "
                          f"of --grpo-group-size ({args.grpo_group_size}) so that no GRPO group is split across "
                          "micro-batches")
-    chunk = getattr(args, "rl_branch_replay_max_chunk_tokens", None)
-    if chunk is not None and chunk < 1:
-        raise ValueError("--rl-branch-replay-max-chunk-tokens: must be a positive number of tokens")
+    chunk = check_max_chunk_tokens(getattr(args, "rl_branch_replay_max_chunk_tokens", None),
+                                   "--rl-branch-replay-max-chunk-tokens")
+    kernel_from_env()  # fail at argument time, not at the model build
+    log_once(f"megatron_branch: Megatron-RL old/reference log-probs by branch replay, {describe_budget(chunk)} "
+             "(--rl-branch-replay-max-chunk-tokens)")

@@ -39,8 +39,9 @@ from typing import Dict, List, Literal, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from megatron_branch.model import model_device, single_chunk
+from megatron_branch.model import model_device, refresh_fp8_weights, single_chunk
 from megatron_branch.peak_memory import PeakMemory
+from megatron_branch.replay.fp8 import check_fp8_plan
 from megatron_branch.replay.plan import path_capacity, plan_replay, unit_of_rollouts
 from megatron_branch.replay.replayer import LossFn, Replayer, split_loss  # noqa: F401 - split_loss re-exported
 from megatron_branch.replay.routing import check_expert_parallel_plan, needs_routing_statistics, routed_before_backward
@@ -150,6 +151,7 @@ def replay_step(
         raise ValueError(f"prefix_grad: {prefix_grad!r} is not one of ('exact', 'detached')")
     model = single_chunk(model, "replay_step")
     found = check_model(model, tree)  # and the MoE routers, from the same walk
+    refresh_fp8_weights(model)  # an optimizer step may have changed them since the last forward
     temps = Temperatures.of(temperature, tree.num_rollouts)
     exact = prefix_grad == "exact" and torch.is_grad_enabled()
     # A stem may also run complete subtrees below it (one unit fewer) where its graph is kept
@@ -170,6 +172,7 @@ def replay_step(
             statistics_pass = True
     # every EP rank must run the same units (the statistics pass included)
     check_expert_parallel_plan(model, ops, recompute_stem=recompute_stem, prefix_grad=prefix_grad, found=found)
+    check_fp8_plan(model, ops, recompute_stem=recompute_stem)  # and every rank of FP8's amax reduction
     if statistics_pass:
         routing_statistics, _ = collect_routing_statistics(model, tree, max_chunk_tokens=max_chunk_tokens,
                                                            group_ids=group_ids, cp_comm_type=cp_comm_type)

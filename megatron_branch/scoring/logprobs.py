@@ -13,7 +13,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from megatron_branch.model import HOST, single_chunk
+from megatron_branch.model import HOST, refresh_fp8_weights, single_chunk
 from megatron_branch.scoring.checks import check_model
 from megatron_branch.scoring.output_rows import scored_tokens
 from megatron_branch.scoring.temperature import Temperature, Temperatures
@@ -60,6 +60,7 @@ def rollout_logprobs(
     """
     model = single_chunk(model, "rollout_logprobs")
     check_model(model, tree)
+    refresh_fp8_weights(model)  # the weights may have changed since the last forward
     temps = Temperatures.of(temperature, tree.num_rollouts)
     scored = None if score_mask is None else scored_tokens(tree, score_mask)
     idx, lp_child, ent_child = forward_unit(

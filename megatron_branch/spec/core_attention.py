@@ -21,6 +21,8 @@ from megatron_branch.attention.kernels import KERNELS, default_kernel, top_left_
 from megatron_branch.attention.path_cache import inject
 from megatron_branch.attention.plain import masked_attention, thd_attention, unmasked_attention
 from megatron_branch.attention.repeat_kv import repeated_kv_attention
+from megatron_branch.attention.varlen import VARLEN_KERNELS
+from megatron_branch.attention.varlen_cascade import varlen_cascade_attention
 from megatron_branch.spec.packed_seq import BranchPackedSeqParams
 
 # The math kernel materialises a [heads, q, k] float32 score block per piece; without a
@@ -57,8 +59,12 @@ class BranchCoreAttention(MegatronModule):
             ``config.kv_channels`` (multi-latent attention passes both, as to TE's attention).
         backend: ``"cascade"`` or ``"dense"``.
         chunk_size: most queries per cascade piece (``None``: whole segments; the ``math``
-            kernel then tiles queries and keys to :data:`MATH_TILE`).
-        kernel: cascade piece kernel (``"flash_cpu"`` or ``"math"``; default by device).
+            kernel then tiles queries and keys to :data:`MATH_TILE`). The varlen kernels
+            hold no scores and run whole segments.
+        kernel: ``"flash_varlen"`` / ``"efficient_varlen"`` (a tree in ``1 + depth`` varlen
+            calls, :mod:`megatron_branch.attention.varlen_cascade`), or a piece kernel
+            ``"flash_cpu"``, ``"flash_cuda"``, ``"math"``; default by device and dtype
+            (:func:`~megatron_branch.attention.kernels.default_kernel`).
     """
 
     def __init__(
@@ -80,8 +86,8 @@ class BranchCoreAttention(MegatronModule):
         super().__init__(config=config)
         if backend not in BACKENDS:
             raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
-        if kernel is not None and kernel not in KERNELS:
-            raise ValueError(f"kernel: {kernel!r} is not one of {tuple(KERNELS)}")
+        if kernel is not None and kernel not in KERNELS and kernel not in VARLEN_KERNELS:
+            raise ValueError(f"kernel: {kernel!r} is not one of {tuple(KERNELS) + tuple(VARLEN_KERNELS)}")
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size: must be a positive number of tokens, got {chunk_size}")
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -162,8 +168,11 @@ class BranchCoreAttention(MegatronModule):
             out = repeated_kv_attention(q, k, v, params.segments, self.softmax_scale)
         elif self.backend == "dense":
             out = dense_tree_attention(q, k, v, params.last, self.softmax_scale, prefix=prefix)
+        elif (kernel := self.kernel or default_kernel(q.device, q.dtype)) in VARLEN_KERNELS:
+            calls = params.varlen_calls(k.shape[0], q.device)
+            out = varlen_cascade_attention(q, k, v, calls, self.softmax_scale, kernel, prefix=prefix,
+                                           prefix_cp=params.cp)
         else:
-            kernel = self.kernel or default_kernel(q.device)
             q_block, k_block = self._blocks(kernel)
             pieces = params.batches(q_block, k_block, q.device, fuse=top_left_causal(kernel))
             out = cascade_attention(
@@ -193,7 +202,7 @@ class BranchCoreAttention(MegatronModule):
         if fmt == "thd":
             if attention_mask is not None:
                 raise ValueError("attention_mask: THD packing takes no mask (cu_seqlens defines the sequences)")
-            kernel = self.kernel or default_kernel(query.device)
+            kernel = self.kernel or default_kernel(query.device, query.dtype)
             q_block, k_block = self._blocks(kernel)
             return thd_attention(query, key, value, packed_seq_params, mask_type, self.softmax_scale, kernel,
                                  q_block, k_block)

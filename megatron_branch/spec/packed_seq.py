@@ -17,6 +17,8 @@ from torch import Tensor
 from megatron_branch._megatron import PackedSeqParams
 from megatron_branch.attention.context_parallel import CPLayout, clip_pieces, needed_shards, shard_bounds
 from megatron_branch.attention.pieces import AttentionPiece, PieceBatch, plan_batches, plan_pieces
+from megatron_branch.attention.varlen import VarlenCall
+from megatron_branch.attention.varlen_cascade import varlen_calls
 from megatron_branch.model import HOST
 from megatron_branch.tree import BranchSegment, BranchTree
 
@@ -190,3 +192,13 @@ class BranchPackedSeqParams(PackedSeqParams):
         if on not in self._pieces:
             self._pieces[on] = [b.to(device) for b in self._pieces[key]]
         return self._pieces[on]
+
+    def varlen_calls(self, num_keys: int, device=None) -> List[VarlenCall]:
+        """This rank's pieces as varlen calls (``1 + depth`` of them) on ``device``, planned
+        and copied once per forward, not per layer. ``num_keys``: the key rows the calls
+        read (the unit, gathered under CP)."""
+        key = ("varlen", num_keys, str(device))
+        if key not in self._pieces:
+            lo, hi = self.local
+            self._pieces[key] = varlen_calls(self.pieces(None, None), hi - lo, num_keys, device)
+        return self._pieces[key]

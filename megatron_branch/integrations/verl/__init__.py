@@ -6,7 +6,9 @@ package when it starts (in the driver and in every Ray worker), which registers
 ``model_type="language_model"``, ``backend="megatron"``, device ``cuda`` and vendor
 ``branch``. verl uses it when ``VERL_ENGINE_VENDOR=branch`` is set (in the Ray runtime
 environment); anything else, a critic for example, keeps verl's stock engine. No patch
-of verl. See ``docs/integrations.md``.
+of verl. The tree-attention kernel and the streaming budget of forward-only log-probs come
+from the engine config's ``override_mcore_model_config.branch`` (``kernel``,
+``max_chunk_tokens``). See ``docs/integrations.md``.
 """
 
 from megatron_branch.integrations.verl.engine import (

@@ -18,6 +18,14 @@ branch layer spec goes into the model build where verl already replaces
 ``transformer_layer_spec`` (:meth:`_build_tf_config`), and an optional run-time exactness
 check (``MEGATRON_BRANCH_VERIFY_EVERY``) reports ``branch/max_logprob_diff``.
 
+The engine config chooses the tree-attention kernel and a streaming budget under
+``megatron.override_mcore_model_config.branch`` (``kernel``, ``max_chunk_tokens``;
+:func:`megatron_branch.integrations.options.verl_branch_options`), checked when the model
+is built and logged once. The budget applies to forward-only passes without entropy
+(verl's reference log-probs): :func:`megatron_branch.replay_logprobs` streams the
+micro-batch's tree in forwards of at most that many tokens. A pass that needs gradients or
+entropy runs one forward per micro-batch (verl's ``*_max_token_len_per_gpu`` bounds it).
+
 What cannot be exact is refused with the verl option named (:func:`check_config`,
 :func:`check_micro_batch`): fused kernels, BSHD (no remove-padding), MTP, router replay,
 dynamic CP, pipeline and context parallelism (not supported by this adapter yet),
@@ -27,6 +35,7 @@ multi-modal inputs, distillation, Σπ² outputs, value heads.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from functools import partial
 from typing import Iterator, Optional
@@ -39,8 +48,16 @@ from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.megatron import transformer_impl
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
+from megatron_branch.integrations.options import (
+    BranchOptions,
+    describe_budget,
+    describe_kernel,
+    log_once,
+    verl_branch_options,
+)
 from megatron_branch.integrations.verl.micro_batches import group_micro_batches
 from megatron_branch.layout import ParallelLayout
+from megatron_branch.replay.step import replay_logprobs
 from megatron_branch.scoring.packed import packed_logprobs
 from megatron_branch.spec import apply_branch_attention, apply_branch_moe
 from megatron_branch.training.runtime_check import ExactnessCheck, sample_rollouts
@@ -114,9 +131,27 @@ def _temperatures(batch: TensorDict, num: int) -> torch.Tensor:
     return per
 
 
-def branch_layer_spec(spec):
-    """The branch pieces in verl's (Megatron-Bridge's) layer spec: tree attention, MoE statistics."""
-    return apply_branch_moe(apply_branch_attention(spec))
+def branch_layer_spec(spec, kernel: Optional[str] = None):
+    """The branch pieces in verl's (Megatron-Bridge's) layer spec: tree attention (with
+    ``kernel``; ``None``: by device and dtype), MoE statistics."""
+    return apply_branch_moe(apply_branch_attention(spec, kernel=kernel))
+
+
+def _streamed_logprobs(model, values: torch.Tensor, offsets: torch.Tensor, temps: torch.Tensor,
+                       max_chunk_tokens: int) -> torch.Tensor:
+    """Forward-only log-probs of the packed sequences ``values`` (``offsets [B + 1]``) in
+    verl's flat layout, by streaming replay of their tree: ``lp[t] = log p(x[t + 1] | <= t)``
+    within each sequence, 0 at its last token."""
+    bounds = offsets.to("cpu")
+    flat = values.detach().to("cpu")
+    tree = BranchTree.from_sequences([flat[int(a):int(b)] for a, b in zip(bounds[:-1], bounds[1:])])
+    lp = replay_logprobs(model, tree, max_chunk_tokens=max_chunk_tokens, temperature=temps)  # [B, max_len - 1]
+    t = torch.arange(lp.shape[1])
+    valid = t[None, :] < (bounds.diff() - 1)[:, None]
+    where = (bounds[:-1, None] + t[None, :])[valid]
+    out = lp.new_zeros(int(bounds[-1]))
+    out[where.to(out.device)] = lp[valid.to(lp.device)]
+    return out
 
 
 @EngineRegistry.register(model_type="language_model", backend="megatron", device="cuda", vendor=VENDOR)
@@ -124,10 +159,22 @@ class BranchMegatronEngine(MegatronEngineWithLMHead):
     """verl's Megatron LM-head engine whose micro-batch forward is branch replay."""
 
     verify: Optional[ExactnessCheck] = None
+    branch_options: Optional[BranchOptions] = None
+
+    def _options(self) -> BranchOptions:
+        """The engine config's kernel and budget (checked, logged once)."""
+        if self.branch_options is None:
+            options = verl_branch_options(self.engine_config)
+            log_once(f"megatron_branch verl engine: tree-attention kernel {describe_kernel(options.kernel)}; "
+                     f"forward-only log-probs without entropy: {describe_budget(options.max_chunk_tokens)} "
+                     "(megatron.override_mcore_model_config.branch)")
+            self.branch_options = options
+        return self.branch_options
 
     # ------------------------------------------------------------------ model build
     def _build_tf_config(self):
         check_config(self.engine_config, self.model_config)
+        kernel = self._options().kernel
         super()._build_tf_config()
         provider = getattr(self, "provider", None)
         if provider is None:
@@ -136,14 +183,15 @@ class BranchMegatronEngine(MegatronEngineWithLMHead):
         base = provider.transformer_layer_spec
         if callable(base) and not hasattr(base, "submodules"):  # a spec builder (config[, vp_stage]) -> spec
             def build(*args, **kwargs):
-                return branch_layer_spec(base(*args, **kwargs))
+                return branch_layer_spec(base(*args, **kwargs), kernel=kernel)
             provider.transformer_layer_spec = build
         else:
-            provider.transformer_layer_spec = branch_layer_spec(base)
+            provider.transformer_layer_spec = branch_layer_spec(base, kernel=kernel)
 
     # ------------------------------------------------------------------ micro-batches
     def forward_backward_batch(self, data: TensorDict, loss_function, forward_only=False):
         check_config(self.engine_config, self.model_config)
+        self._options()
         metrics = {}
         if self._verify() is not None and not forward_only and self.verify.due():
             metrics["branch/max_logprob_diff"] = self._run_check(data)
@@ -165,8 +213,16 @@ class BranchMegatronEngine(MegatronEngineWithLMHead):
         offsets = input_ids.offsets()
         entropy = bool(tu.get_non_tensor_data(batch, key="calculate_entropy", default=False))
         temps = _temperatures(batch, int(offsets.numel() - 1))
-        out = packed_logprobs(model, input_ids.values(), offsets.to("cpu"), temperature=temps, entropy=entropy)
-        lp, ent = out if entropy else (out, None)
+        budget = self._options().max_chunk_tokens
+        if budget is not None and not torch.is_grad_enabled() and not entropy:
+            # verl's infer_batch (old/ref log-probs) runs under no_grad: stream the tree
+            lp, ent = _streamed_logprobs(model, input_ids.values(), offsets, temps, budget), None
+        else:
+            if budget is not None and not torch.is_grad_enabled():
+                log_once("megatron_branch verl engine: a forward-only pass asks for entropy; it runs one forward "
+                         "per micro-batch (max_chunk_tokens streams log-probs only)", logging.WARNING)
+            out = packed_logprobs(model, input_ids.values(), offsets.to("cpu"), temperature=temps, entropy=entropy)
+            lp, ent = out if entropy else (out, None)
         output = {"log_probs": torch.nested.nested_tensor_from_jagged(lp, offsets)}
         if ent is not None:
             output["entropy"] = torch.nested.nested_tensor_from_jagged(ent, offsets)
