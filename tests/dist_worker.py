@@ -176,21 +176,29 @@ def build_error_worker(rank, world, port, layout, out_dir, run=False):
     try:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout["tp"],
                                                  context_parallel_size=layout["cp"])
-        message = ""
-        try:
+        def build_and_run():
             model = build(layout["tp"], layout["pp"], layout.get("sp", False), layout.get("mla", False),
                           layout.get("gdn", False))
             if run:
                 batch, tree = trees()["tiny"]
                 with torch.no_grad():
                     mb.rollout_logprobs(model, tree)
-        except ValueError as e:
-            message = str(e)
-        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
-            f.write(message)
+
+        record_value_error(build_and_run, out_dir, rank)
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def record_value_error(fn, out_dir, rank) -> None:
+    """Run ``fn`` and save the ``ValueError`` it raises ("" if none) for the parent to read."""
+    message = ""
+    try:
+        fn()
+    except ValueError as e:
+        message = str(e)
+    with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
+        f.write(message)
 
 
 def spawn_build_error(layout, out_dir, port, run=False):
@@ -359,13 +367,8 @@ def fp8_plan_worker(rank, world, port, budgets, out_dir):
     try:
         parallel_state.initialize_model_parallel()
         model = build(fp8="hybrid")
-        message = ""
-        try:
-            check_fp8_plan(model, plan_replay(trees()["forest"][1], budgets[rank]))
-        except ValueError as e:
-            message = str(e)
-        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
-            f.write(message)
+        record_value_error(lambda: check_fp8_plan(model, plan_replay(trees()["forest"][1], budgets[rank])),
+                           out_dir, rank)
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
