@@ -212,3 +212,29 @@ def test_no_host_sync_per_layer(megatron_world):
         counts.append(mode.count)
     assert counts[0] == counts[1], counts
     assert counts[0] <= 8, counts  # per unit: a few (3 on megatron-core 0.16.1), not per layer or piece
+
+
+def test_thd_batches_are_one_varlen_call_planned_once_per_batch():
+    """Megatron-RL's THD batches through the varlen kernel: the stock per-sequence result,
+    cu_seqlens read on the host by the first layer only (a sync per batch, not per layer)."""
+    import gc
+
+    from conftest import make_pair
+
+    from megatron_branch._megatron import PackedSeqParams
+    from megatron_branch.attention import plain
+
+    varlen, _ = make_pair(kernel="flash_varlen", num_layers=3)
+    flash, _ = make_pair(kernel="flash_cpu", num_layers=3)
+    flash.load_state_dict(varlen.state_dict())
+    cu = torch.tensor([0, 5, 12, 20], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=8, max_seqlen_kv=8)
+    ids = torch.randint(0, 100, (1, 20), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(5), torch.arange(7), torch.arange(8)])[None]
+    before = len(plain._THD_CALLS)
+    out = varlen(ids, pos, attention_mask=None, packed_seq_params=params)
+    assert len(plain._THD_CALLS) == before + 1  # three layers, one plan
+    assert (out - flash(ids, pos, attention_mask=None, packed_seq_params=params)).abs().max() < 1e-5
+    del params
+    gc.collect()
+    assert len(plain._THD_CALLS) == before

@@ -24,7 +24,8 @@ RoPE restarts at 0 in every THD sequence; that is the stock ``SelfAttention``'s 
 
 from __future__ import annotations
 
-from typing import List, Optional
+import weakref
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -135,6 +136,23 @@ def thd_pieces(packed_seq_params, total: int, causal: bool, q_block: Optional[in
     return pieces
 
 
+# The varlen calls of a THD batch, planned by its first layer and reused by the others:
+# checking and reading cu_seqlens on the host is a device sync, once per batch, not per layer.
+# Keyed by the params object's id while it lives (a PackedSeqParams is not hashable).
+_THD_CALLS: Dict[tuple, Tuple[weakref.ref, list]] = {}
+
+
+def _thd_calls(params, t: int, causal: bool, device) -> list:
+    key = (id(params), t, causal, str(device))
+    hit = _THD_CALLS.get(key)
+    if hit is not None and hit[0]() is params:
+        return hit[1]
+    calls = varlen_calls(thd_pieces(params, t, causal), t, t, device)
+    _THD_CALLS[key] = (weakref.ref(params), calls)
+    weakref.finalize(params, _THD_CALLS.pop, key, None)
+    return calls
+
+
 def thd_attention(query: Tensor, key: Tensor, value: Tensor, packed_seq_params, mask_type: Optional[AttnMaskType],
                   scale: float, kernel: str, q_block: Optional[int] = None, k_block: Optional[int] = None) -> Tensor:
     """Per-sequence attention of THD-packed ``[t, heads, d]`` tensors; returns ``[t, heads * d]``."""
@@ -143,7 +161,7 @@ def thd_attention(query: Tensor, key: Tensor, value: Tensor, packed_seq_params, 
     t, h, _ = query.shape
     causal = mask_type is None or mask_type in CAUSAL_TYPES
     if kernel in VARLEN_KERNELS:  # the sequences as they are: one call
-        calls = varlen_calls(thd_pieces(packed_seq_params, t, causal), t, t, query.device)
+        calls = _thd_calls(packed_seq_params, t, causal, query.device)
         return varlen_cascade_attention(query, key, value, calls, scale, kernel).reshape(t, -1)
     pieces = thd_pieces(packed_seq_params, t, causal, q_block, k_block)
     batches = plan_batches(pieces, q_block * k_block if q_block and k_block else None, num_rows=t)
