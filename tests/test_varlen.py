@@ -14,8 +14,6 @@ from megatron_branch.attention.pieces import AttentionPiece
 from megatron_branch.attention.varlen import (
     VarlenCall,
     check_kernel,
-    lse_from_padded,
-    lse_to_padded,
     varlen_backward,
     varlen_forward,
 )
@@ -153,15 +151,13 @@ def test_varlen_cascade_with_a_cached_path_matches_float64(heads, kv_heads):
     assert (varlen_cascade_attention(q, k, v, calls, scale, "flash_varlen") - dense).abs().max() < 1e-5
 
 
-def test_memory_efficient_lse_layout_round_trips():
-    """The fp32 CUDA kernel's log-sum-exp is [sequences, heads, max_q rounded up to 32]:
-    converted to the contract's [heads, Tq] and back, row by row."""
+def test_causal_sequences_with_more_queries_than_keys_get_a_keyless_part():
+    """The rows before a causal sequence's first key are a sequence of their own without
+    keys (the memory-efficient kernel masks such rows wrongly; the result is the same)."""
     call = VarlenCall.from_spans(SPANS, True, 14, 14)
-    lse = torch.randn(3, 14)
-    padded = lse_to_padded(lse, call)
-    assert padded.shape == (len(SPANS), 3, 32)
-    assert torch.equal(padded[3, :, :3], lse[:, 7:10]) and torch.equal(padded[0, :, :5], lse[:, 0:5])
-    assert torch.equal(lse_from_padded(padded, call), lse)
+    assert call.spans == [(0, 2, 0, 0), (2, 5, 0, 3), (5, 7, 3, 3), (7, 7, 3, 6), (7, 10, 6, 12), (10, 12, 12, 12),
+                          (12, 14, 12, 14)]
+    assert VarlenCall.from_spans(SPANS, False, 14, 14).spans == SPANS
 
 
 def test_kernel_choice_and_refusals():

@@ -1,7 +1,8 @@
 """The GPU check: one prepared run that settles what the CPU suite cannot; one JSON report.
 
     python tools/gpu_check.py --quick        # at most 8 minutes on one H100 (each section has its own timeout)
-    python tools/gpu_check.py                # larger trees (about 15 minutes)
+    python tools/gpu_check.py                # larger trees (about 15 minutes: two calls where a command
+                                             # may run 10 minutes, e.g. --only contract parity_bf16 ...)
     python tools/gpu_check.py --dry-run      # every section on the CPU at toy sizes: the script's own test
 
 Sections (each reports ``status``: ``passed``, ``failed`` or ``skipped`` with its reason,
@@ -16,7 +17,7 @@ e.g. without Transformer Engine, fails the run):
    queries, a backward given another (merged) output and LSE.
 2. ``parity_bf16``: tree attention in bf16 through ``flash_varlen``, ``flash_cuda`` and the
    dense masked SDPA, each against float32 (TF32 off): the varlen and flash errors within
-   2x of dense bf16's; ``efficient_varlen`` in float32 within 1e-4.
+   2x of dense bf16's; ``efficient_varlen`` in float32 within 2e-5 (relative to the largest entry).
 3. ``exactness_local`` / ``exactness_te``: branch replay (one pass and streaming, the default
    kernel: ``flash_varlen``) against the naive per-rollout computation on Megatron's stock
    spec (local, then Transformer Engine) in bf16, both against the float32 truth (2x rule).
@@ -311,7 +312,7 @@ class Check:
             with no_tf32():
                 out = fn(q, k, v)
                 grads = torch.autograd.grad(out, (q, k, v), g.to(dtype))
-            return [_err(out, ref)] + [_err(a, b) for a, b in zip(grads, ref_grads)]
+            return [_rel(out, ref)] + [_rel(a, b) for a, b in zip(grads, ref_grads)]
 
         base = errors(lambda q, k, v: dense_tree_attention(q, k, v, tree.last, scale))
         result = {"tokens": U, "calls_per_layer": len(calls), "dense_bf16_error": base}
@@ -327,7 +328,7 @@ class Check:
         err32 = errors(lambda q, k, v: varlen_cascade_attention(q, k, v, calls, scale, "efficient_varlen"),
                        torch.float32)
         result["efficient_varlen_fp32_error"] = err32
-        result["passed"] = ok and max(err32) < 1e-4
+        result["passed"] = ok and max(err32) < 2e-5  # relative, TF32 off
         return result
 
     def exactness(self, use_te: bool) -> dict:

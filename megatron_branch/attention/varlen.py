@@ -26,10 +26,10 @@ Kernels (:data:`VARLEN_KERNELS`):
   kernel, sequence by sequence (:func:`_cpu_forward`), so the CPU suite runs everything of
   the CUDA path but the kernel itself.
 * ``efficient_varlen``: on CUDA, torch's memory-efficient kernel
-  (``aten::_efficient_attention_forward`` / ``_backward``, varlen through ``cu_seqlens``,
-  ``custom_mask_type=2`` for bottom-right causal), for float32; its log-sum-exp layout
-  ``[sequences, heads, max_q rounded up to 32]`` is converted to and from the contract's by
-  :func:`lse_from_padded` / :func:`lse_to_padded`. On CPU, the CPU side of ``flash_varlen``.
+  (``aten::_efficient_attention_forward`` / ``_backward``, ``custom_mask_type=2`` for
+  bottom-right causal), for float32, sequence by sequence (its varlen mode would size the
+  backward's workspace by sequences x the longest sequence); K/V heads repeated for GQA (it
+  has none). On CPU, the CPU side of ``flash_varlen``.
 
 Our own code: Megatron-Core has no tree attention; torch's public ``varlen_attn`` has no
 backward that takes a merged output and log-sum-exp, so the aten ops are called here.
@@ -72,8 +72,6 @@ class VarlenCall:
         max_q, max_k: the longest query and key sequence (host ints: no sync in a layer).
         has_keys: ``[num_q]`` bool on the device, the row's sequence has keys.
         has_queries: ``[num_k]`` bool on the device, the key's sequence has queries.
-        row_seq, row_pos: ``[num_q]`` int64 on the device, each row's sequence and offset in
-            it (the memory-efficient kernel's log-sum-exp layout).
     """
 
     spans: List[Span]
@@ -86,8 +84,6 @@ class VarlenCall:
     max_k: int = 0
     has_keys: Optional[Tensor] = None
     has_queries: Optional[Tensor] = None
-    row_seq: Optional[Tensor] = None
-    row_pos: Optional[Tensor] = None
 
     @classmethod
     def from_spans(cls, spans: Sequence[Span], causal: bool, num_q: int, num_k: int,
@@ -95,12 +91,13 @@ class VarlenCall:
         """The call of ``spans`` with its index tensors on ``device`` (one copy each)."""
         spans = list(spans)
         _check_spans(spans, num_q, num_k)
+        if causal:  # the rows before a causal sequence's first key see none: a keyless sequence of their own
+            spans = [part for span in spans for part in _split_keyless_rows(span)]
         cu_q = [0] + [s[1] for s in spans]
         cu_k = [0] + [s[3] for s in spans]
         lq = [s[1] - s[0] for s in spans]
         lk = [s[3] - s[2] for s in spans]
         row_seq = torch.repeat_interleave(torch.arange(len(spans)), torch.tensor(lq, dtype=torch.long))
-        row_pos = torch.arange(num_q) - torch.tensor(cu_q[:-1], dtype=torch.long)[row_seq]
         has_keys = torch.tensor([k > 0 for k in lk], dtype=torch.bool)[row_seq]
         key_seq = torch.repeat_interleave(torch.arange(len(spans)), torch.tensor(lk, dtype=torch.long))
         has_queries = torch.tensor([q > 0 for q in lq], dtype=torch.bool)[key_seq]
@@ -108,7 +105,18 @@ class VarlenCall:
         to = functools.partial(_to_device, device=device)
         return cls(spans, causal, num_q, num_k, to(torch.tensor(cu_q, dtype=torch.int32)),
                    to(torch.tensor(cu_k, dtype=torch.int32)), max(lq, default=0), max(lk, default=0),
-                   to(has_keys), to(has_queries), to(row_seq), to(row_pos))
+                   to(has_keys), to(has_queries))
+
+
+def _split_keyless_rows(span: Span) -> List[Span]:
+    """A bottom-right causal sequence of more queries than keys as a keyless sequence of its
+    first ``lq - lk`` rows and a square: what the kernels compute on their own for the
+    first, the memory-efficient kernel does not (it masks such rows wrongly)."""
+    q_lo, q_hi, k_lo, k_hi = span
+    extra = (q_hi - q_lo) - (k_hi - k_lo)
+    if extra <= 0 or k_hi == k_lo:
+        return [span]
+    return [(q_lo, q_lo + extra, k_lo, k_lo), (q_lo + extra, q_hi, k_lo, k_hi)]
 
 
 def _to_device(x: Tensor, device) -> Tensor:
@@ -245,9 +253,14 @@ def _padded_width(q: Tensor, v: Tensor) -> int:
 
 def _flash_cuda_forward(q, k, v, call: VarlenCall, scale):
     width, dv = _padded_width(q, v), v.shape[-1]
+    # max_q is an upper bound: at 1, FlashAttention-2's single-query path would regroup the
+    # heads by the sequence count, which the sequences without queries break
     out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
         _pad_heads(q, width), _pad_heads(k, width), _pad_heads(v, width), call.cu_q, call.cu_k,
-        call.max_q, call.max_k, 0.0, call.causal, False, scale=scale)
+        max(call.max_q, 2), call.max_k, 0.0, call.causal, False, scale=scale)
+    if lse.shape != (q.shape[1], q.shape[0]):  # shapes only, no sync: the layout this module is written for
+        raise RuntimeError(f"flash_varlen: the kernel returned lse {tuple(lse.shape)}, not [heads, total_q] = "
+                           f"{(q.shape[1], q.shape[0])}; this torch's FlashAttention differs from 2.13's")
     return out[..., :dv], lse
 
 
@@ -256,7 +269,7 @@ def _flash_cuda_backward(dout, q, k, v, out, lse, call: VarlenCall, scale):
     pad = functools.partial(_pad_heads, width=width)
     dq, dk, dvv = torch.ops.aten._flash_attention_backward(
         pad(dout).contiguous(), pad(q), pad(k), pad(v), pad(out).contiguous(), lse.contiguous(),
-        call.cu_q, call.cu_k, call.max_q, call.max_k, 0.0, call.causal, _rng_state(q.device),
+        call.cu_q, call.cu_k, max(call.max_q, 2), call.max_k, 0.0, call.causal, _rng_state(q.device),
         _unused(q.device), scale=scale)
     return dq[..., :dqk], dk[..., :dqk], dvv[..., :dv]
 
@@ -272,50 +285,61 @@ def _unused(device) -> Tensor:
     return torch.empty(0, device=device)
 
 
-def lse_from_padded(lse: Tensor, call: VarlenCall) -> Tensor:
-    """The memory-efficient kernel's ``[sequences, heads, M]`` log-sum-exp as ``[heads, Tq]``."""
-    # [S, h, M] -> [Tq, h] (each row at its sequence and offset) -> [h, Tq]
-    return lse[call.row_seq, :, call.row_pos].transpose(0, 1).contiguous()
-
-
-def lse_to_padded(lse: Tensor, call: VarlenCall) -> Tensor:
-    """``[heads, Tq]`` in the memory-efficient kernel's ``[sequences, heads, M]`` layout."""
-    rows = -(-max(call.max_q, 1) // EFFICIENT_LSE_ALIGN) * EFFICIENT_LSE_ALIGN
-    out = lse.new_zeros((len(call.spans), lse.shape[0], rows))
-    out[call.row_seq, :, call.row_pos] = lse.transpose(0, 1)
-    return out
-
-
-def _efficient_inputs(q, k, v):
+def _efficient_one(q, k, v, causal, scale):
+    """One sequence on the memory-efficient kernel: ``(out [lq, h, dv], lse [h, lq])``."""
     rep = q.shape[1] // k.shape[1]  # the memory-efficient kernel has no GQA: repeat K/V heads
     if rep > 1:
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     width = _padded_width(q, v)
-    # [T, h, d] -> [1, T, h, d]: one "batch" whose sequences cu_seqlens delimit
-    return (_pad_heads(x, width).unsqueeze(0) for x in (q, k, v)), rep
+    # [n, h, d] -> [1, n, h, d]; custom_mask_type 2: causal, bottom-right
+    q4, k4, v4 = (_pad_heads(x, width).unsqueeze(0) for x in (q, k, v))
+    out, lse = torch.ops.aten._efficient_attention_forward(
+        q4, k4, v4, None, None, None, None, None, 0.0, 2 if causal else 0, True, scale=scale)[:2]
+    # out [1, lq, h, width]; lse [1, h, lq rounded up to 32]
+    return out[0, ..., : v.shape[-1]], lse[0, :, : q.shape[0]]
 
 
 def _efficient_cuda_forward(q, k, v, call: VarlenCall, scale):
-    (q4, k4, v4), _ = _efficient_inputs(q, k, v)
-    out, lse = torch.ops.aten._efficient_attention_forward(
-        q4, k4, v4, None, call.cu_q, call.cu_k, call.max_q, call.max_k, 0.0, 2 if call.causal else 0, True,
-        scale=scale)[:2]
-    return out[0, ..., : v.shape[-1]], lse_from_padded(lse, call)
+    # Sequence by sequence: the kernel's varlen mode sizes its backward workspace by
+    # sequences x max_q, which a tree's gap sequences make as long as the prompt. float32 is
+    # the reference precision on a GPU, not the fast path (flash_varlen, bf16).
+    out = q.new_zeros((q.shape[0], q.shape[1], v.shape[-1]))
+    lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=torch.float32, device=q.device)
+    for q_lo, q_hi, k_lo, k_hi in call.spans:
+        if q_hi > q_lo and k_hi > k_lo:
+            out[q_lo:q_hi], lse[:, q_lo:q_hi] = _efficient_one(q[q_lo:q_hi], k[k_lo:k_hi], v[k_lo:k_hi],
+                                                               call.causal, scale)
+    return out, lse
 
 
 def _efficient_cuda_backward(dout, q, k, v, out, lse, call: VarlenCall, scale):
-    hk, dqk, dv = k.shape[1], q.shape[-1], v.shape[-1]
-    (q4, k4, v4), rep = _efficient_inputs(q, k, v)
-    width = q4.shape[-1]
-    dq, dk, dvv = torch.ops.aten._efficient_attention_backward(
-        _pad_heads(dout, width).unsqueeze(0).contiguous(), q4, k4, v4, None,
-        _pad_heads(out, width).unsqueeze(0).contiguous(), call.cu_q, call.cu_k, call.max_q, call.max_k,
-        lse_to_padded(lse, call), 0.0, _philox(q.device), _philox(q.device), 2 if call.causal else 0, False,
-        scale=scale)[:3]
-    dq, dk, dvv = dq[0, ..., :dqk], dk[0, ..., :dqk], dvv[0, ..., :dv]
-    if rep > 1:  # [Tk, h, d] -> [Tk, hk, rep, d] -> summed over the repeated heads
-        dk, dvv = (x.reshape(x.shape[0], hk, rep, x.shape[-1]).sum(2) for x in (dk, dvv))
-    return dq, dk, dvv
+    hk, h, dqk, dv = k.shape[1], q.shape[1], q.shape[-1], v.shape[-1]
+    rep = h // hk
+    width = _padded_width(q, v)
+    gq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    gk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    gv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    for q_lo, q_hi, k_lo, k_hi in call.spans:
+        if not (q_hi > q_lo and k_hi > k_lo):
+            continue
+        ks, vs = k[k_lo:k_hi], v[k_lo:k_hi]
+        if rep > 1:
+            ks, vs = ks.repeat_interleave(rep, 1), vs.repeat_interleave(rep, 1)
+        pad = lambda x: _pad_heads(x, width).unsqueeze(0).contiguous()  # noqa: E731 - [n, h, d] -> [1, n, h, w]
+        lq = q_hi - q_lo
+        lse_rows = lse.new_full((1, h, -(-lq // EFFICIENT_LSE_ALIGN) * EFFICIENT_LSE_ALIGN), float("inf"))
+        lse_rows[0, :, :lq] = lse[:, q_lo:q_hi]
+        dq, dk, dvv = torch.ops.aten._efficient_attention_backward(
+            pad(dout[q_lo:q_hi]), pad(q[q_lo:q_hi]), pad(ks), pad(vs), None, pad(out[q_lo:q_hi]), None, None, lq,
+            k_hi - k_lo, lse_rows, 0.0, _philox(q.device), _philox(q.device), 2 if call.causal else 0, False,
+            scale=scale)[:3]
+        dk, dvv = dk[0, ..., :dqk], dvv[0, ..., :dv]
+        if rep > 1:  # [n, h, d] -> [n, hk, rep, d] -> summed over the repeated heads
+            dk, dvv = (x.reshape(x.shape[0], hk, rep, x.shape[-1]).sum(2) for x in (dk, dvv))
+        gq[q_lo:q_hi] += dq[0, ..., :dqk]
+        gk[k_lo:k_hi] += dk
+        gv[k_lo:k_hi] += dvv
+    return gq.to(q.dtype), gk.to(k.dtype), gv.to(v.dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -329,10 +353,10 @@ def _normalised_forward(cuda_forward: Callable) -> Callable:
         if q.device.type != "cuda":
             return _cpu_forward(q, k, v, call, scale)
         out, lse = cuda_forward(q, k, v, call, scale)
-        # the conventions enforced here, whatever the kernel does on rows without keys
-        out = out.masked_fill(~call.has_keys[:, None, None], 0.0)
-        lse = lse.float().masked_fill(~call.has_keys[None, :], float("inf"))
-        return out, lse
+        # the conventions held here, whatever a kernel does on rows without keys (in place:
+        # one pass over the fresh outputs, no copy; tools/gpu_check.py checks the kernels too)
+        out.masked_fill_(~call.has_keys[:, None, None], 0.0)
+        return out, lse.float().masked_fill_(~call.has_keys[None, :], float("inf"))
     return forward
 
 
@@ -341,9 +365,9 @@ def _normalised_backward(cuda_backward: Callable) -> Callable:
         if q.device.type != "cuda":
             return _cpu_backward(dout, q, k, v, out, lse, call, scale)
         dq, dk, dv = cuda_backward(dout, q, k, v, out, lse, call, scale)
-        dq = dq.masked_fill(~call.has_keys[:, None, None], 0.0)
+        dq.masked_fill_(~call.has_keys[:, None, None], 0.0)
         keep = call.has_queries[:, None, None]
-        return dq, dk.masked_fill(~keep, 0.0), dv.masked_fill(~keep, 0.0)
+        return dq, dk.masked_fill_(~keep, 0.0), dv.masked_fill_(~keep, 0.0)
     return backward
 
 
