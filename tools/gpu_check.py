@@ -17,7 +17,9 @@ e.g. without Transformer Engine, fails the run):
    queries, a backward given another (merged) output and LSE.
 2. ``parity_bf16``: tree attention in bf16 through ``flash_varlen``, ``flash_cuda`` and the
    dense masked SDPA, each against float32 (TF32 off): the varlen and flash errors within
-   2x of dense bf16's; ``efficient_varlen`` in float32 within 2e-5 (relative to the largest entry).
+   2 x (calls per layer) of dense bf16's (each call rounds its partial output and gradients
+   to bf16 once; dense rounds once); ``efficient_varlen`` in float32 within 2e-5 (relative
+   to the largest entry).
 3. ``exactness_local`` / ``exactness_te``: branch replay (one pass and streaming, the default
    kernel: ``flash_varlen``) against the naive per-rollout computation on Megatron's stock
    spec (local, then Transformer Engine) in bf16, both against the float32 truth (2x rule).
@@ -319,12 +321,17 @@ class Check:
         runs = {"flash_varlen": lambda q, k, v: varlen_cascade_attention(q, k, v, calls, scale, "flash_varlen")}
         if self.cuda:
             runs["flash_cuda"] = lambda q, k, v: cascade_attention(q, k, v, pieces, scale, "flash_cuda")
+        # Each call returns its output and gradients rounded to bf16 before the float32 merge /
+        # sum, so an entry taking part in n calls is rounded up to n times where dense rounds
+        # once: the 2x rule per rounding (a convention error is O(1), far beyond it).
+        bound = 2 * len(calls)
+        result["bound_over_dense"] = bound
         ok = True
         for kernel, fn in runs.items():
             err = errors(fn)
             result[f"{kernel}_error"] = err
-            result[f"{kernel}_within_2x"] = all(e <= 2 * b + 1e-6 for e, b in zip(err, base))
-            ok = ok and result[f"{kernel}_within_2x"]
+            result[f"{kernel}_within_bound"] = all(e <= bound * b + 1e-6 for e, b in zip(err, base))
+            ok = ok and result[f"{kernel}_within_bound"]
         err32 = errors(lambda q, k, v: varlen_cascade_attention(q, k, v, calls, scale, "efficient_varlen"),
                        torch.float32)
         result["efficient_varlen_fp32_error"] = err32
