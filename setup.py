@@ -38,7 +38,9 @@ setup(
         # the verl 0.9.1 engine adapter (megatron_branch.integrations.verl); verl pins transformers < 5.11
         # and tensordict <= 0.10, so it gets its own venv in .ci/run. Its plugin entry point below makes
         # verl import the adapter, which registers the engine (verl selects it with VERL_ENGINE_VENDOR=branch).
-        "verl": ["verl==0.9.1", "pytest>=7"],
+        # mbridge (and einops, which it imports without declaring) is verl's vanilla bridge
+        # (megatron.vanilla_mbridge=True), the path the CPU tests build through: Megatron-Bridge needs TE.
+        "verl": ["verl==0.9.1", "mbridge==0.15.1", "einops", "pytest>=7"],
         # What Megatron-LM's megatron/training (pretrain) and Megatron-RL (train_rl.py) import
         # at core_v0.16.1, core_v0.19.0 and main (openai, omegaconf from 0.19); Megatron-LM itself is a git
         # checkout (patches/megatron-lm-*).

@@ -45,6 +45,8 @@ COMMANDS = (
      "choose TP/CP/PP, chunk, recompute and FP8 for a workload on a cluster"),
     ("study", "megatron_branch.commands.study",
      "convergence and wall-clock of naive, exact and tail-only GRPO/PPO/DPO training"),
+    ("verl-check", "megatron_branch.commands.verl_check",
+     "which engine verl would build with this environment and config, and why not branch"),
 )
 
 # What each command reads and writes, checked before it runs (argument dest, kind).

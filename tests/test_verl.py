@@ -47,7 +47,8 @@ def engine(cls, model):
     eng = object.__new__(cls)
     eng.engine_config = McoreEngineConfig()
     eng.model_config = types.SimpleNamespace(
-        hf_config=types.SimpleNamespace(architectures=["LlamaForCausalLM"]), tokenizer=types.SimpleNamespace(pad_token_id=0),
+        hf_config=types.SimpleNamespace(architectures=["LlamaForCausalLM"]),
+        tokenizer=types.SimpleNamespace(pad_token_id=0),
         mtp=types.SimpleNamespace(enable=False, enable_train=False), model_type="language_model")
     eng.enable_routing_replay = False
     eng.tf_config = None
@@ -84,9 +85,11 @@ def grpo_batch(temperature=0.7, seed=1):
     td = tu.get_tensordict(
         tensor_dict={"input_ids": nest([torch.cat([p, r]) for p, r in zip(plist, rlist)]), "prompts": prompt_d,
                      "responses": resp_d, "attention_mask": attn, "response_mask": resp_mask, "loss_mask": resp_mask,
-                     "old_log_probs": torch.full((b, rm), -3.0), "advantages": torch.linspace(-1, 1, b)[:, None].expand(b, rm).clone()},
+                     "old_log_probs": torch.full((b, rm), -3.0),
+                     "advantages": torch.linspace(-1, 1, b)[:, None].expand(b, rm).clone()},
         non_tensor_dict={"temperature": temperature, "calculate_entropy": True, "use_dynamic_bsz": True,
-                         "max_token_len_per_gpu": 32, "global_batch_size": b, "max_response_len": rm, "num_micro_batch": 1})
+                         "max_token_len_per_gpu": 32, "global_batch_size": b, "max_response_len": rm,
+                         "num_micro_batch": 1})
     td["uid"] = NonTensorStack.from_list([NonTensorData(u) for u in uids])
     return td
 

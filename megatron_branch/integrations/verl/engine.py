@@ -11,12 +11,18 @@ returning verl's layout: jagged ``log_probs`` (and ``entropy``) ``[B, L_i]`` wit
 verl's own forward fills it with the next packed sequence's score (and that prediction's
 entropy), its loss never reads it; here both are 0.
 
-Around it: micro-batches keep every ``uid`` group whole
+Around it: micro-batches keep every ``uid`` group whole and no micro-batch computes more
+than ``max_token_len_per_gpu`` unique tokens
 (:func:`megatron_branch.integrations.verl.micro_batches.group_micro_batches`, in place of
-verl's ``prepare_micro_batches`` for the duration of :meth:`forward_backward_batch`), the
-branch layer spec goes into the model build where verl already replaces
-``transformer_layer_spec`` (:meth:`_build_tf_config`), and an optional run-time exactness
-check (``MEGATRON_BRANCH_VERIFY_EVERY``) reports ``branch/max_logprob_diff``.
+verl's ``prepare_micro_batches`` for the duration of :meth:`forward_backward_batch`); the
+branch layer spec goes into whichever bridge verl builds the model with
+(:mod:`megatron_branch.integrations.verl.bridges`: Megatron-Bridge's provider or the vanilla
+``mbridge`` bridge); :meth:`initialize` checks the configuration before verl builds anything,
+checks the built model and logs that branch replay is active; every
+:meth:`forward_backward_batch` adds ``branch/naive_tokens``, ``branch/unique_tokens``,
+``branch/share_ratio`` and ``branch/split_groups`` to verl's metrics (with a logged warning
+when groups arrive split); an optional run-time exactness check
+(``MEGATRON_BRANCH_VERIFY_EVERY``) reports ``branch/max_logprob_diff``.
 
 The engine config chooses the tree-attention kernel and a streaming budget under
 ``megatron.override_mcore_model_config.branch`` (``kernel``, ``max_chunk_tokens``;
@@ -29,7 +35,8 @@ entropy runs one forward per micro-batch (verl's ``*_max_token_len_per_gpu`` bou
 What cannot be exact is refused with the verl option named (:func:`check_config`,
 :func:`check_micro_batch`): fused kernels, BSHD (no remove-padding), MTP, router replay,
 dynamic CP, pipeline and context parallelism (not supported by this adapter yet),
-multi-modal inputs, distillation, Σπ² outputs, value heads.
+Megatron-Bridge with ``attention_backend=local``, multi-modal inputs, distillation, Σπ²
+outputs, value heads.
 """
 
 from __future__ import annotations
@@ -55,13 +62,15 @@ from megatron_branch.integrations.options import (
     log_once,
     verl_branch_options,
 )
-from megatron_branch.integrations.verl.micro_batches import group_micro_batches
+from megatron_branch.integrations.verl.bridges import check_branch_model, hook_mbridge, hook_provider
+from megatron_branch.integrations.verl.micro_batches import SharingStats, batch_uids, group_micro_batches
 from megatron_branch.layout import ParallelLayout
 from megatron_branch.replay.step import replay_logprobs
 from megatron_branch.scoring.packed import packed_logprobs
-from megatron_branch.spec import apply_branch_attention, apply_branch_moe
 from megatron_branch.training.runtime_check import ExactnessCheck, sample_rollouts
 from megatron_branch.tree import BranchTree
+
+logger = logging.getLogger(__name__)
 
 VENDOR = "branch"  # verl selects this engine with VERL_ENGINE_VENDOR=branch
 VERIFY_EVERY_ENV = "MEGATRON_BRANCH_VERIFY_EVERY"
@@ -70,6 +79,13 @@ VERIFY_TOLERANCE_ENV = "MEGATRON_BRANCH_VERIFY_TOLERANCE"
 
 def _flag(obj, name: str, default=None):
     return getattr(obj, name, default) if obj is not None else default
+
+
+def _attention_backend(engine_config) -> str:
+    """``override_transformer_config.attention_backend`` as a lower-case name ('' when unset)."""
+    overrides = _flag(engine_config, "override_transformer_config") or {}
+    value = overrides.get("attention_backend") if hasattr(overrides, "get") else None
+    return str(getattr(value, "name", value) or "").lower()
 
 
 def check_config(engine_config, model_config) -> None:
@@ -94,6 +110,9 @@ def check_config(engine_config, model_config) -> None:
          "megatron.router_replay.mode", "router replay records and replays per-position routes of verl's layout"),
         (_flag(_flag(model_config, "mtp"), "enable", False), "actor_rollout_ref.model.mtp.enable=True",
          "multi-token prediction layers are built from Megatron's stock specs"),
+        (_attention_backend(engine_config) == "local" and not _flag(engine_config, "vanilla_mbridge", False),
+         "megatron.override_transformer_config.attention_backend=local",
+         "Megatron-Bridge then puts Megatron's stock DotProductAttention beside the branch self-attention"),
         (_flag(engine_config, "pad_to_length", False), "megatron.pad_to_length=True",
          "bucketed padding changes verl's packed layout"),
         (_flag(model_config, "model_type", "language_model") == "value_model", "critic (value model)",
@@ -131,12 +150,6 @@ def _temperatures(batch: TensorDict, num: int) -> torch.Tensor:
     return per
 
 
-def branch_layer_spec(spec, kernel: Optional[str] = None):
-    """The branch pieces in verl's (Megatron-Bridge's) layer spec: tree attention (with
-    ``kernel``; ``None``: by device and dtype), MoE statistics."""
-    return apply_branch_moe(apply_branch_attention(spec, kernel=kernel))
-
-
 def _streamed_logprobs(model, values: torch.Tensor, offsets: torch.Tensor, temps: torch.Tensor,
                        max_chunk_tokens: int) -> torch.Tensor:
     """Forward-only log-probs of the packed sequences ``values`` (``offsets [B + 1]``) in
@@ -160,6 +173,7 @@ class BranchMegatronEngine(MegatronEngineWithLMHead):
 
     verify: Optional[ExactnessCheck] = None
     branch_options: Optional[BranchOptions] = None
+    split_warned: bool = False  # the split-groups warning was logged
 
     def _options(self) -> BranchOptions:
         """The engine config's kernel and budget (checked, logged once)."""
@@ -172,21 +186,30 @@ class BranchMegatronEngine(MegatronEngineWithLMHead):
         return self.branch_options
 
     # ------------------------------------------------------------------ model build
+    def initialize(self):
+        """verl's ``initialize``, with the configuration checked first (a ``ValueError`` naming
+        the verl option, before anything is built), the built model checked for tree attention
+        in every layer, and a log line saying that branch replay is active."""
+        check_config(self.engine_config, self.model_config)
+        self._options()
+        super().initialize()
+        check_branch_model(self.module)
+        # verl's loggers default to WARN: logged at that level so that every run shows which engine ran
+        logger.warning("megatron_branch: branch replay is active in verl's %s engine (%s; kernel %s; "
+                       "VERL_ENGINE_VENDOR=%s); per-step sharing in the branch/* metrics",
+                       "reference" if self.engine_config.forward_only else "training",
+                       "vanilla mbridge" if self.engine_config.vanilla_mbridge else "Megatron-Bridge",
+                       describe_kernel(self.branch_options.kernel), VENDOR)
+
     def _build_tf_config(self):
         check_config(self.engine_config, self.model_config)
         kernel = self._options().kernel
         super()._build_tf_config()
         provider = getattr(self, "provider", None)
-        if provider is None:
-            raise ValueError("megatron.vanilla_mbridge: megatron_branch's verl engine puts its layer spec into "
-                             "Megatron-Bridge's model provider; use the default bridge")
-        base = provider.transformer_layer_spec
-        if callable(base) and not hasattr(base, "submodules"):  # a spec builder (config[, vp_stage]) -> spec
-            def build(*args, **kwargs):
-                return branch_layer_spec(base(*args, **kwargs), kernel=kernel)
-            provider.transformer_layer_spec = build
-        else:
-            provider.transformer_layer_spec = branch_layer_spec(base, kernel=kernel)
+        if provider is not None:
+            hook_provider(provider, kernel=kernel)
+        else:  # megatron.vanilla_mbridge=True: the bridge builds the layer spec itself
+            hook_mbridge(self.bridge, kernel=kernel)
 
     # ------------------------------------------------------------------ micro-batches
     def forward_backward_batch(self, data: TensorDict, loss_function, forward_only=False):
@@ -197,11 +220,32 @@ class BranchMegatronEngine(MegatronEngineWithLMHead):
             metrics["branch/max_logprob_diff"] = self._run_check(data)
         use_dynamic = tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True)
         patch = (_micro_batches_by_group() if use_dynamic else contextlib.nullcontext())
-        with patch:
-            output = super().forward_backward_batch(data, loss_function, forward_only)
-        if metrics and isinstance(output, dict):
+        self._sharing = SharingStats()
+        try:
+            with patch:
+                output = super().forward_backward_batch(data, loss_function, forward_only)
+        finally:
+            sharing, self._sharing = self._sharing, None
+        metrics.update(sharing.metrics(group=self._dp_group_or_none()))
+        if sharing.split_groups and not self.split_warned:
+            # once per engine (every step would flood verl's log); branch/split_groups counts every step
+            self.split_warned = True
+            logger.warning("megatron_branch: %d rollout group(s) (same uid) arrived split across micro-batches or "
+                           "data-parallel ranks: exact, but each part computes its shared prefix again (verl's "
+                           "trainer.balance_batch and actor.shuffle move rollouts of a group apart; a group larger "
+                           "than max_token_len_per_gpu is cut to fit); the metric branch/split_groups counts them "
+                           "at every step", sharing.split_groups)
+        if isinstance(output, dict):
             output.setdefault("metrics", {}).update({k: [v] for k, v in metrics.items()})
         return output
+
+    def _dp_group_or_none(self):
+        if not torch.distributed.is_initialized():
+            return None
+        try:
+            return self.get_data_parallel_group()
+        except (AssertionError, AttributeError, RuntimeError):  # Megatron's parallel state not built
+            return None
 
     # ------------------------------------------------------------------ the forward
     def forward_step(self, batch_iter: Iterator[TensorDict], model, logits_processor_func,
@@ -211,6 +255,8 @@ class BranchMegatronEngine(MegatronEngineWithLMHead):
         check_micro_batch(batch)
         input_ids = batch["input_ids"]
         offsets = input_ids.offsets()
+        if getattr(self, "_sharing", None) is not None:
+            self._sharing.add(input_ids.values(), offsets, batch_uids(batch))
         entropy = bool(tu.get_non_tensor_data(batch, key="calculate_entropy", default=False))
         temps = _temperatures(batch, int(offsets.numel() - 1))
         budget = self._options().max_chunk_tokens
