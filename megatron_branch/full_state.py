@@ -25,6 +25,13 @@ _LAYER = re.compile(r"^(.*decoder\.layers\.)(\d+)(\..*)$")
 _LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 _GROUPED_EXPERT = re.compile(r"\.(weight|bias)\d+$")
 EMBEDDING = "embedding.word_embeddings.weight"
+# Persistent buffers that are weights of the model (replicated on every rank): the router's
+# expert bias of aux-loss-free balancing (DeepSeek-V3's e_score_correction_bias)
+WEIGHT_BUFFERS = (".router.expert_bias",)
+
+
+def _weight_buffers(gpt):
+    return [(n, b) for n, b in gpt.named_buffers() if b is not None and n.endswith(WEIGHT_BUFFERS)]
 
 
 def _size(group) -> int:
@@ -100,8 +107,8 @@ def _num_local_experts(config, layout: ParallelLayout) -> int:
 
 
 def full_state(model, which: str = "grad") -> Dict[str, Tensor]:
-    """Every parameter (``which="param"``) or gradient (``"grad"``), unsharded, under
-    stock Megatron names, on every rank (float32 CPU tensors).
+    """Every parameter (``which="param"``, with the weight buffers :data:`WEIGHT_BUFFERS`) or
+    gradient (``"grad"``), unsharded, under stock Megatron names, on every rank (float32 CPU tensors).
 
     Collective over the tensor-, pipeline-, expert- and expert-tensor-parallel groups.
     Sequential experts only (``moe_grouped_gemm=False``).
@@ -131,6 +138,9 @@ def full_state(model, which: str = "grad") -> Dict[str, Tensor]:
         else:
             value = _join_tp(name, value, p, config, layout.tp_group)
             mine[global_name(model, name)] = value.to("cpu", torch.float32, copy=True)  # never a view of a live buffer
+    if which == "param":  # buffers have no gradient
+        mine.update({global_name(model, n): b.detach().to("cpu", torch.float32, copy=True)
+                     for n, b in _weight_buffers(gpt)})
     if layout.ep > 1 and experts:
         parts = [None] * layout.ep
         dist.all_gather_object(parts, experts, group=layout.ep_group)
@@ -171,3 +181,10 @@ def load_full_state(model, state: Dict[str, Tensor]) -> None:
                 raise ValueError(f"state: {key!r} has shape {tuple(local.shape)} on this rank, "
                                  f"expected {tuple(p.shape)}")
             p.copy_(local)
+        for name, b in _weight_buffers(gpt):
+            key = global_name(model, name)
+            if key not in state:
+                raise ValueError(f"state: missing buffer {key!r}")
+            if state[key].shape != b.shape:
+                raise ValueError(f"state: {key!r} has shape {tuple(state[key].shape)}, expected {tuple(b.shape)}")
+            b.copy_(state[key])

@@ -343,7 +343,8 @@ def hf_moe_worker(rank, world, port, ckpt, hf_config, sequences, out_dir):
     try:
         parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
         model, _ = load_megatron(ckpt)
-        assert len(model.decoder.layers[0].mlp.experts.local_experts) == model.config.num_moe_experts // world
+        moe_layer = next(layer for layer in model.decoder.layers if hasattr(layer.mlp, "experts"))  # dense ones first
+        assert len(moe_layer.mlp.experts.local_experts) == model.config.num_moe_experts // world
         with torch.no_grad():
             lp = mb.rollout_logprobs(model, mb.BranchTree.from_sequences(sequences))
         torch.save({"lp": lp, "state": export_hf_state(model, hf_config)}, os.path.join(out_dir, f"hf_moe{rank}.pt"))

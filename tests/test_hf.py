@@ -243,13 +243,14 @@ def test_the_model_config_pair_is_refused_where_a_model_is_expected(tmp_path):
         assert torch.equal(mb.rollout_logprobs([model], tree), mb.rollout_logprobs(model, tree))
 
 
-def test_moe_dense_layers_are_refused():
+def test_moe_dense_layers_map_to_moe_layer_freq():
     cfg = dict(COMMON, architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
                moe_intermediate_size=48, mlp_only_layers=[1])
-    with pytest.raises(ValueError, match="dense layers"):
-        megatron_args_from_hf(cfg)
+    args, _ = megatron_args_from_hf(cfg)  # HF's mlp_only_layers: Megatron's per-layer moe_layer_freq
+    assert args["moe_layer_freq"] == [1, 0] and args["ffn_hidden_size"] == 96
     args, _ = megatron_args_from_hf(dict(cfg, mlp_only_layers=[], norm_topk_prob=True))
     assert args["num_moe_experts"] == 4 and args["moe_ffn_hidden_size"] == 48 and not args["moe_router_pre_softmax"]
+    assert "moe_layer_freq" not in args  # every layer MoE: Megatron's default
 
 
 def test_moe_checkpoint_loads_expert_parallel(tmp_path):
@@ -284,9 +285,6 @@ DEEPSEEK_V3_HUB = {
 
 
 def test_deepseek_v3_config_maps_to_mla_fields():
-    with pytest.raises(ValueError, match=r"first_k_dense_replace=3 < num_hidden_layers=61.*sigmoid group-limited "
-                                         r"routing with a correction bias, and shared experts\) is not converted yet"):
-        megatron_args_from_hf(DEEPSEEK_V3_HUB)
     config, model = megatron_args_from_hf(dict(DEEPSEEK_V3_HUB, first_k_dense_replace=61))
     assert {k: config[k] for k in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size")} == dict(
         num_layers=61, hidden_size=7168, num_attention_heads=128, ffn_hidden_size=18432)
@@ -310,8 +308,7 @@ def test_deepseek_v3_config_maps_to_mla_fields():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"first_k_dense_replace": 1}, "first_k_dense_replace=1 < num_hidden_layers=2"),
-    ({"first_k_dense_replace": None}, "first_k_dense_replace=None"),
+    ({"first_k_dense_replace": -1}, "first_k_dense_replace is -1"),
     ({"q_lora_rank": None}, "q_lora_rank=null"),
     ({"q_lora_rank": 0}, "q_lora_rank is 0, expected a positive integer or null"),
     ({"kv_lora_rank": None}, "lacks kv_lora_rank"),

@@ -75,7 +75,7 @@ def test_every_parameter_is_counted_per_pipeline_stage():
 # Published sizes (model cards; one or two significant decimals, so 1% for the totals).
 PUBLISHED = {"Llama-3-8B": 8.03e9, "Qwen2.5-7B": 7.61e9, "Qwen3-8B": 8.2e9, "Qwen2.5-14B": 14.7e9,
              "Qwen2.5-32B": 32.5e9, "Qwen3-30B-A3B": 30.5e9, "DeepSeek-V3": 671e9, "Qwen3-Next-80B-A3B": 80e9,
-             "Qwen3.5-397B-A17B": 397e9}
+             "Qwen3.5-397B-A17B": 397e9, "GLM-4.5": 355e9}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))

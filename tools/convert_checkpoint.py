@@ -4,10 +4,12 @@
     python tools/convert_checkpoint.py export --megatron-path DIR --hf-model OUT [--hf-config HF_DIR]
 
 Architectures: Llama (incl. Llama-3 RoPE scaling), Mistral, Qwen2 (QKV bias), Qwen3
-(q/k norm), and Mixture of Experts: Qwen3-MoE and Mixtral (Megatron's MoE layer with
-sequential experts; expert-parallel sharding is chosen at load time too); tied or untied
-embeddings; GQA. Safetensors only (no pickle). TP/PP sharding is chosen when a run loads
-the checkpoint (``megatron_branch.hf.convert.load_megatron``). Runs on CPU.
+(q/k norm), and Mixture of Experts: Qwen3-MoE, Mixtral, GLM-4.5 and, with megatron-core 0.19,
+DeepSeek-V3, Qwen3-Next and Qwen3.5 (dense and MoE; the released multimodal checkpoints as their
+text model) (Megatron's MoE layer with sequential experts; expert-parallel sharding is chosen at
+load time too; docs/model_families.md); tied or untied embeddings; GQA. Safetensors only (no
+pickle). TP/PP sharding is chosen when a run loads the checkpoint
+(``megatron_branch.hf.convert.load_megatron``). Runs on CPU.
 
 Failures: the inputs (config.json, every safetensors header, the Megatron checkpoint's
 files) and the target (not a file, empty unless --overwrite, writable) are checked before

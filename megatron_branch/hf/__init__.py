@@ -3,9 +3,10 @@
 ``model, config = mb.hf.load_gpt_from_hf(hf_dir)`` builds the Megatron GPTModel (branch
 spec), loads the weights and returns the model with its ``TransformerConfig``;
 ``mb.hf.export_hf_state(model, hf_config)`` returns a live model's full
-weights under HF names (:mod:`.model`). Mapping rules: :mod:`.mapping` (DeepSeek-V3's
-multi-latent attention: :mod:`.deepseek`; Qwen3-Next's Gated DeltaNet hybrid:
-:mod:`.qwen3_next`); reading and atomic writing: :mod:`.io`; the
+weights under HF names (:mod:`.model`). Mapping rules: :mod:`.mapping` (Mixture-of-Experts
+layers, routers and shared experts: :mod:`.moe`; DeepSeek-V3's multi-latent attention:
+:mod:`.deepseek`; Qwen3-Next's Gated DeltaNet hybrid: :mod:`.qwen3_next`; Qwen3.5's:
+:mod:`.qwen3_5`; GLM-4.5's attention: :mod:`.glm4_moe`); reading and atomic writing: :mod:`.io`; the
 dist-checkpoint converter behind ``tools/convert_checkpoint.py``: :mod:`.convert`.
 """
 

@@ -28,7 +28,13 @@ import torch
 
 from megatron_branch.atomic import atomic_dir
 from megatron_branch.hf.io import check_config, check_target, read_config, read_weights, write_weights
-from megatron_branch.hf.mapping import TensorError, check_params_dtype, hf_to_megatron, megatron_args_from_hf
+from megatron_branch.hf.mapping import (
+    TensorError,
+    architecture,
+    check_params_dtype,
+    hf_to_megatron,
+    megatron_args_from_hf,
+)
 
 ARGS_FILE = "model_args.json"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -85,7 +91,7 @@ def import_hf(hf_dir: str, megatron_path: str, dtype: str = "fp32", overwrite: b
         OSError: a missing input, or a target that cannot be written.
     """
     # heavy (megatron-core): imported once the inputs are checked, so bad input fails in a second
-    from megatron_branch.hf.model import build_from_hf_config, load_state
+    from megatron_branch.hf.model import build_from_hf_config, cast_weights, load_state
     from megatron_branch.training.checkpoint import save_sharded
 
     note = progress or (lambda _msg: None)
@@ -98,7 +104,7 @@ def import_hf(hf_dir: str, megatron_path: str, dtype: str = "fp32", overwrite: b
     state = _mapped(read_weights(hf_dir, sources), hf_cfg, hf_dir, sources)
     note(f"mapping {len(state)} tensors")
     model, _ = build_from_hf_config(hf_cfg, torch_dtype)
-    load_state(model, {k: v.to(torch_dtype) for k, v in state.items()})
+    load_state(model, cast_weights(state, torch_dtype))
     with atomic_dir(megatron_path, overwrite) as tmp:
         note("writing the distributed checkpoint")
         writer = save_sharded(model.sharded_state_dict(), tmp)
@@ -172,14 +178,17 @@ def _shape_of(hf_cfg: dict) -> dict:
     """The fields of a HF config that decide the weights' names, shapes and layout (Megatron's names)."""
     config, model = megatron_args_from_hf(hf_cfg)
     keys = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "kv_channels",
-            "add_qkv_bias", "qk_layernorm", "num_moe_experts", "moe_ffn_hidden_size",
+            "add_qkv_bias", "qk_layernorm", "num_moe_experts", "moe_ffn_hidden_size", "moe_layer_freq",
+            "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_enable_expert_bias",
             # multi-latent attention (DeepSeek-V3)
             "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
             # Gated DeltaNet hybrids (Qwen3-Next): the layer pattern, GDN sizes, gated attention
             "linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
             "linear_num_key_heads", "linear_num_value_heads", "attention_output_gate")
     out = {k: config.get(k) for k in keys}
-    out.update(vocab_size=model["vocab_size"], tied=model["share_embeddings_and_output_weights"])
+    # the tensors' layout is per architecture (e.g. Qwen3-Next's and Qwen3.5's GDN projections)
+    out.update(vocab_size=model["vocab_size"], tied=model["share_embeddings_and_output_weights"],
+               architecture=architecture(hf_cfg))
     if config.get("multi_latent_attention"):  # the order of the RoPE rows on export (.deepseek)
         out["rope_interleave"] = bool(hf_cfg.get("rope_interleave", True))
     return out

@@ -1,4 +1,4 @@
-"""DeepSeek-V3 (multi-latent attention, dense MLP layers) <-> Megatron ``MLASelfAttention``.
+"""DeepSeek-V3 (multi-latent attention) <-> Megatron ``MLASelfAttention``; its MoE layers: :mod:`.moe`.
 
 The per-architecture part of :mod:`megatron_branch.hf.mapping` for ``DeepseekV3ForCausalLM``:
 which configs convert, the ``MLATransformerConfig`` fields, and the attention tensors.
@@ -41,7 +41,6 @@ REQUIRED = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"
 # Megatron gives every norm of the layer config.layernorm_epsilon.
 LATENT_NORM_EPS = 1e-6
 # HF's DeepseekV3Config defaults for fields a config.json may leave out
-FIRST_K_DENSE_DEFAULT = 3
 YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0
 
 
@@ -56,14 +55,6 @@ def check_config(cfg: dict) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"config.json: {key} is {value!r}, expected a positive integer"
                              + (" or null" if key == "q_lora_rank" else ""))
-    layers = cfg["num_hidden_layers"]
-    first_dense = cfg.get("first_k_dense_replace", FIRST_K_DENSE_DEFAULT)
-    if first_dense is None or first_dense < layers:
-        raise ValueError(
-            f"config.json: first_k_dense_replace={first_dense} < num_hidden_layers={layers}: layers "
-            f"{first_dense or 0}.. are Mixture-of-Experts layers, and DeepSeek-V3's MoE (sigmoid group-limited "
-            "routing with a correction bias, and shared experts) is not converted yet; only configs whose layers "
-            "are all dense (first_k_dense_replace >= num_hidden_layers) are")
     heads, groups = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     if groups != heads:
         # HF's MLA expands every head's key from the latent; a smaller count breaks its repeat_kv

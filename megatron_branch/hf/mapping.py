@@ -1,4 +1,4 @@
-"""HF (Llama, Mistral, Qwen2/3, Qwen3-MoE, Mixtral, DeepSeek-V3, Qwen3-Next) <-> Megatron GPTModel: config, weights.
+"""HF (Llama, Mistral, Qwen2/3, Qwen3-MoE, Mixtral, DeepSeek-V3, Qwen3-Next, Qwen3.5) <-> Megatron GPTModel.
 
 Our own code: Megatron-Bridge, the usual converter, needs Transformer Engine and CUDA.
 Weights are plain tensors keyed by name on both sides; Megatron names are the stock
@@ -8,45 +8,48 @@ returns). Layouts that differ:
 * ``linear_qkv`` interleaves per KV group: for group ``g``, the ``heads / kv_heads`` query
   heads, then its key head, then its value head (rows of ``head_dim``); Qwen2's biases alike;
 * ``linear_fc1`` is ``[gate_proj; up_proj]`` stacked on the output dimension;
-* Mixture of Experts (Qwen3-MoE ``mlp.experts.{j}.{gate,up,down}_proj``, Mixtral
-  ``block_sparse_moe.experts.{j}.{w1,w3,w2}``): the router is ``mlp.router.weight`` and
-  expert ``j`` is ``mlp.experts.local_experts.{j}`` (Megatron's sequential experts,
-  ``moe_grouped_gemm=False``), its ``linear_fc1`` again ``[gate; up]``. Routing: softmax
-  over all experts then top-k (``moe_router_pre_softmax=True``) when the top-k weights are
-  not renormalised (Qwen3-MoE ``norm_topk_prob=false``), softmax over the top-k logits
-  otherwise (equal to renormalising; Mixtral, ``norm_topk_prob=true``);
-* DeepSeek-V3's multi-latent attention (dense MLP layers only): :mod:`.deepseek`;
-* Qwen3-Next's Gated DeltaNet / gated attention hybrid (dense MLP layers only), whose
-  zero-centered RMSNorm weights ``w`` are stored as ``1 + w``: :mod:`.qwen3_next`.
+* Mixture of Experts (Qwen3-MoE, Mixtral, Qwen3-Next, Qwen3.5-MoE, DeepSeek-V3; dense
+  layers between MoE layers; routers, shared experts): :mod:`.moe`;
+* DeepSeek-V3's multi-latent attention: :mod:`.deepseek`;
+* Qwen3-Next's Gated DeltaNet / gated attention hybrid, whose zero-centered RMSNorm weights
+  ``w`` are stored as ``1 + w``: :mod:`.qwen3_next`; Qwen3.5's (split GDN projections): :mod:`.qwen3_5`.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+import warnings
+from typing import Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from megatron_branch.hf import deepseek, qwen3_next
+from megatron_branch.hf import deepseek, glm4_moe, moe, qwen3_5, qwen3_next
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-             "Qwen3MoeForCausalLM", "MixtralForCausalLM", deepseek.ARCH, qwen3_next.ARCH)
-MOE_ARCHS = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+             "Qwen3MoeForCausalLM", "MixtralForCausalLM", deepseek.ARCH, qwen3_next.ARCH, glm4_moe.ARCH) + qwen3_5.ARCHS
+MOE_ARCHS = tuple(a for a in moe.FAMILIES if a in SUPPORTED)  # may have MoE layers: .moe
 MLA_ARCHS = (deepseek.ARCH,)  # multi-latent attention: MLATransformerConfig, attention mapped by .deepseek
-HYBRID_ARCHS = (qwen3_next.ARCH,)  # Gated DeltaNet hybrids: layers and norms mapped by .qwen3_next
-# HF names of an expert's (gate, up, down) projections and of the router, per architecture
-_EXPERT_NAMES = {"Qwen3MoeForCausalLM": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
-                 "MixtralForCausalLM": ("block_sparse_moe.", ("w1", "w3", "w2"))}
+# Gated DeltaNet hybrids: layers and norms mapped by .qwen3_next (GDN projections of Qwen3.5 by .qwen3_5)
+HYBRID_ARCHS = (qwen3_next.ARCH,) + qwen3_5.ARCHS
+# Checkpoint tensors transformers drops on load (its _keys_to_ignore_on_load_unexpected), so the
+# forward converted never uses them: the multi-token-prediction heads (Qwen3-Next / Qwen3.5
+# ``mtp.*``; DeepSeek-V3 / GLM-4.5 as the layers after the last, ``model.layers.{num_hidden_layers}.``)
+# and Qwen3.5's vision tower. An export has none of them.
+_IGNORED_PREFIXES = {qwen3_next.ARCH: (qwen3_next.IGNORED_PREFIX,), qwen3_5.DENSE: ("mtp.", "model.visual."),
+                     qwen3_5.MOE: ("mtp.", "model.visual.")}
+_EXTRA_LAYERS_IGNORED = (deepseek.ARCH, glm4_moe.ARCH)
 # Megatron's built-in Llama-3 RoPE scaling uses these fixed parameters.
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 def _arch(cfg: dict) -> str:
+    cfg = qwen3_5.text_config(cfg)  # a released multimodal Qwen3.5: its text model
     archs = cfg.get("architectures") or []
     by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-               "deepseek_v3": deepseek.ARCH, qwen3_next.MODEL_TYPE: qwen3_next.ARCH}
+               "deepseek_v3": deepseek.ARCH, qwen3_next.MODEL_TYPE: qwen3_next.ARCH, **qwen3_5.MODEL_TYPES,
+               glm4_moe.MODEL_TYPE: glm4_moe.ARCH}
     arch = archs[0] if archs else by_type.get(cfg.get("model_type"), "")
     if arch not in SUPPORTED:
         raise ValueError(f"config.json: architecture {arch or cfg.get('model_type')!r} is not supported "
@@ -54,9 +57,22 @@ def _arch(cfg: dict) -> str:
     return arch
 
 
+def architecture(cfg: dict) -> str:
+    """The architecture the conversion maps ``cfg`` as (a released multimodal Qwen3.5: its text model).
+
+    Raises:
+        ValueError: an unsupported one (the supported ones listed).
+    """
+    return _arch(cfg)
+
+
 def _with_defaults(cfg: dict, arch: str) -> dict:
     """``cfg`` with the architecture's HF defaults for fields a config.json may leave out
-    (Qwen3-Next's differ from the generic fallbacks, e.g. ``head_dim`` 256)."""
+    (Qwen3-Next's differ from the generic fallbacks, e.g. ``head_dim`` 256); a released
+    multimodal Qwen3.5 config as its text model's."""
+    cfg = qwen3_5.text_config(cfg)
+    if arch in qwen3_5.ARCHS:
+        return qwen3_5.with_defaults(cfg, arch)
     return qwen3_next.with_defaults(cfg) if arch in HYBRID_ARCHS else cfg
 
 
@@ -99,7 +115,7 @@ REQUIRED_MOE = {"Qwen3MoeForCausalLM": ("num_experts_per_tok", "moe_intermediate
 def _check_fields(cfg: dict, arch: str) -> None:
     keys = REQUIRED + REQUIRED_MOE.get(arch, ())
     missing = [k for k in keys if cfg.get(k) is None]
-    if arch in MOE_ARCHS:
+    if arch in ("Qwen3MoeForCausalLM", "MixtralForCausalLM"):
         keys += ("num_experts", "num_local_experts")  # either names the experts
         if not (cfg.get("num_experts") or cfg.get("num_local_experts")):
             missing.append("num_experts (or num_local_experts)")
@@ -117,6 +133,8 @@ def _check_fields(cfg: dict, arch: str) -> None:
         deepseek.check_config(cfg)
     if arch in HYBRID_ARCHS:
         qwen3_next.check_config(cfg)
+    if arch in MOE_ARCHS:
+        moe.check_config(cfg, arch)
 
 
 def megatron_args_from_hf(cfg: dict) -> Tuple[dict, dict]:
@@ -138,7 +156,7 @@ def megatron_args_from_hf(cfg: dict) -> Tuple[dict, dict]:
     theta, params = _rope_params(cfg)
     # GPTModel's own RoPE; multi-latent attention builds its RoPE (and YaRN) from config fields,
     # Qwen3-Next's (partial, unscaled) is checked by .qwen3_next
-    rope = _rope(cfg)[1] if arch not in MLA_ARCHS + HYBRID_ARCHS else {}
+    rope = _rope(cfg)[1] if arch not in MLA_ARCHS + HYBRID_ARCHS + (glm4_moe.ARCH,) else {}
     config = dict(
         num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"], num_attention_heads=heads,
         num_query_groups=cfg.get("num_key_value_heads") or heads, ffn_hidden_size=cfg["intermediate_size"],
@@ -148,8 +166,11 @@ def megatron_args_from_hf(cfg: dict) -> Tuple[dict, dict]:
         add_qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
         qk_layernorm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
     )
-    if arch in MOE_ARCHS:
-        config.update(_moe_args(cfg, arch))
+    if arch == glm4_moe.ARCH:  # qk norms by use_qk_norm; partial RoPE (rotary_percent)
+        glm, glm_model = glm4_moe.megatron_args(cfg, params)
+        config.update(glm)
+        rope = glm_model
+    config.update(moe.megatron_args(cfg, arch) if arch in MOE_ARCHS else {})
     if arch in MLA_ARCHS:  # MLATransformerConfig: head sizes and RoPE are its own fields
         for key in ("num_query_groups", "kv_channels", "add_qkv_bias"):
             config.pop(key)
@@ -168,28 +189,13 @@ def megatron_args_from_hf(cfg: dict) -> Tuple[dict, dict]:
 
 def num_experts(cfg: dict) -> int:
     """Routed experts of a MoE config (0 for a dense one)."""
-    if _arch(cfg) not in MOE_ARCHS:  # e.g. DeepSeek-V3's n_routed_experts, whose MoE is refused
-        return 0
-    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    arch = _arch(cfg)
+    return moe.num_experts(_with_defaults(cfg, arch), arch) if arch in MOE_ARCHS else 0
 
 
-def _moe_args(cfg: dict, arch: str) -> dict:
-    """TransformerConfig MoE fields. The aux-loss coefficient is HF's ``router_aux_loss_coef``
-    when HF trains with it (``output_router_logits``), else 0."""
-    layers = cfg["num_hidden_layers"]
-    dense = [i for i in range(layers) if i in (cfg.get("mlp_only_layers") or [])
-             or (i + 1) % int(cfg.get("decoder_sparse_step", 1) or 1) != 0]
-    if dense:
-        raise ValueError(f"config.json: dense layers {dense[:5]} between the MoE layers (mlp_only_layers / "
-                         "decoder_sparse_step) are not supported; every layer must be MoE")
-    if cfg.get("shared_expert_intermediate_size"):
-        raise ValueError("config.json: shared experts are not supported")
-    normalise = arch == "MixtralForCausalLM" or bool(cfg.get("norm_topk_prob", False))
-    ffn = cfg["moe_intermediate_size"] if arch == "Qwen3MoeForCausalLM" else cfg["intermediate_size"]
-    coeff = float(cfg.get("router_aux_loss_coef", 0.0)) if cfg.get("output_router_logits") else 0.0
-    return dict(num_moe_experts=num_experts(cfg), moe_router_topk=cfg["num_experts_per_tok"],
-                moe_ffn_hidden_size=ffn, moe_router_pre_softmax=not normalise, moe_router_score_function="softmax",
-                moe_aux_loss_coeff=coeff)
+def moe_layer_set(cfg: dict, arch: str) -> set:
+    """Indices of the MoE layers of ``cfg`` (with defaults)."""
+    return set(moe.moe_layers(cfg, arch)) if arch in MOE_ARCHS else set()
 
 
 def _dims(cfg: dict) -> Tuple[int, int, int]:
@@ -241,21 +247,17 @@ def _taker(todo: Dict[str, Tensor], what: str):
     return take
 
 
-def _norm_taker(take, arch: str):
+def _norm_taker(take, arch: str, lost: List[str]):
     """``take_norm(name, size)``: ``take`` for a norm weight; for zero-centered norms
-    (Qwen3-Next) the weight ``1 + w``, refusing entries that would not come back on export."""
+    (Qwen3-Next, Qwen3.5) the weight ``1 + w``, the names of tensors whose entries it does not
+    keep (they would come back within 2^-23 on export, not bit for bit) appended to ``lost``."""
     if arch not in HYBRID_ARCHS:
         return take
 
     def take_norm(name: str, size: int) -> Tensor:
-        w = take(name, size)
-        shifted, lost = qwen3_next.norm_to_megatron(w)
-        if lost.any():
-            raise TensorError(
-                f"checkpoint: tensor {name!r}: {int(lost.sum())} of {w.numel()} entries (e.g. {w[lost][0].item():.3g}) "
-                "are lost in 1 + w (float32), the weight megatron-core's local RMSNorm holds for Qwen3-Next's "
-                "x * (1 + w); the export could not give them back (of bf16 weights only nonzero |w| < 2^-16 can be)",
-                name)
+        shifted, dropped = qwen3_next.norm_to_megatron(take(name, size))
+        if dropped.any():
+            lost.append(name)
         return shifted
 
     return take_norm
@@ -293,6 +295,16 @@ def _attention_from_megatron(take, todo: Dict[str, Tensor], cfg: dict, mg: str, 
     return out
 
 
+def _ignored(name: str, arch: str, cfg: dict) -> bool:
+    """Whether transformers drops the checkpoint tensor ``name`` on load (:data:`_IGNORED_PREFIXES`)."""
+    if name.startswith(_IGNORED_PREFIXES.get(arch, ())):
+        return True
+    if arch in _EXTRA_LAYERS_IGNORED and name.startswith("model.layers."):
+        index = name.split(".")[2]
+        return index.isdigit() and int(index) >= cfg["num_hidden_layers"]
+    return False
+
+
 def hf_to_megatron(state: Dict[str, Tensor], cfg: dict) -> Dict[str, Tensor]:
     """HF ``model.*`` / ``lm_head`` tensors -> stock Megatron names (copies, same dtype;
     Qwen3-Next's zero-centered norm weights as ``1 + w`` in float32).
@@ -302,6 +314,8 @@ def hf_to_megatron(state: Dict[str, Tensor], cfg: dict) -> Dict[str, Tensor]:
         ValueError: unexpected tensors, or a config that is not supported.
     """
     arch = _arch(cfg)
+    if qwen3_5.is_released(cfg):
+        state = qwen3_5.to_text_names(state)
     cfg = _with_defaults(cfg, arch)
     _check_fields(cfg, arch)
     todo = dict(state)
@@ -309,8 +323,11 @@ def hf_to_megatron(state: Dict[str, Tensor], cfg: dict) -> Dict[str, Tensor]:
     heads, groups, hd = _dims(cfg)
     hidden, vocab, ffn = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
 
-    take_norm = _norm_taker(take, arch)
+    lost: List[str] = []
+    take_norm = _norm_taker(take, arch, lost)
     gdn = qwen3_next.layer_pattern(cfg) if arch in HYBRID_ARCHS else [0] * cfg["num_hidden_layers"]
+    gdn_to_megatron = qwen3_5.gdn_to_megatron if arch in qwen3_5.ARCHS else qwen3_next.gdn_to_megatron
+    moe_set = moe_layer_set(cfg, arch)
 
     out = {"embedding.word_embeddings.weight": take("model.embed_tokens.weight", vocab, hidden)}
     for i in range(cfg["num_hidden_layers"]):
@@ -318,7 +335,7 @@ def hf_to_megatron(state: Dict[str, Tensor], cfg: dict) -> Dict[str, Tensor]:
         attn = hf + "self_attn."
         out[mg + "input_layernorm.weight"] = take_norm(hf + "input_layernorm.weight", hidden)
         if gdn[i]:
-            out.update(qwen3_next.gdn_to_megatron(take, cfg, hf + "linear_attn.", mg + "self_attention."))
+            out.update(gdn_to_megatron(take, cfg, hf + "linear_attn.", mg + "self_attention."))
         elif arch in HYBRID_ARCHS:
             out.update(qwen3_next.attention_to_megatron(take, take_norm, cfg, attn, mg + "self_attention."))
         elif arch in MLA_ARCHS:
@@ -326,16 +343,8 @@ def hf_to_megatron(state: Dict[str, Tensor], cfg: dict) -> Dict[str, Tensor]:
         else:
             out.update(_attention_to_megatron(take, todo, cfg, attn, mg + "self_attention."))
         out[mg + "pre_mlp_layernorm.weight"] = take_norm(hf + "post_attention_layernorm.weight", hidden)
-        if arch in MOE_ARCHS:
-            block, (gate, up, down) = _EXPERT_NAMES[arch]
-            experts = num_experts(cfg)
-            moe_ffn = cfg["moe_intermediate_size"] if arch == "Qwen3MoeForCausalLM" else ffn
-            out[mg + "mlp.router.weight"] = take(hf + block + "gate.weight", experts, hidden)
-            for j in range(experts):
-                src, dst = f"{hf}{block}experts.{j}.", f"{mg}mlp.experts.local_experts.{j}."
-                out[dst + "linear_fc1.weight"] = torch.cat([take(src + gate + ".weight", moe_ffn, hidden),
-                                                            take(src + up + ".weight", moe_ffn, hidden)])
-                out[dst + "linear_fc2.weight"] = take(src + down + ".weight", hidden, moe_ffn)
+        if i in moe_set:
+            out.update(moe.to_megatron(take, cfg, arch, hf, mg))
             continue
         out[mg + "mlp.linear_fc1.weight"] = torch.cat(
             [take(hf + "mlp.gate_proj.weight", ffn, hidden), take(hf + "mlp.up_proj.weight", ffn, hidden)])
@@ -345,22 +354,27 @@ def hf_to_megatron(state: Dict[str, Tensor], cfg: dict) -> Dict[str, Tensor]:
         out["output_layer.weight"] = take("lm_head.weight", vocab, hidden)
     else:
         todo.pop("lm_head.weight", None)
-    todo = {k: v for k, v in todo.items() if not k.endswith("rotary_emb.inv_freq")
-            and not (arch in HYBRID_ARCHS and k.startswith(qwen3_next.IGNORED_PREFIX))}
+    todo = {k: v for k, v in todo.items() if not k.endswith("rotary_emb.inv_freq") and not _ignored(k, arch, cfg)}
     if todo:
         raise ValueError(f"checkpoint: unexpected tensors {sorted(todo)[:5]}")
+    if lost:
+        warnings.warn(qwen3_next.lost_bits_warning(lost), stacklevel=2)
     return out
 
 
 def megatron_to_hf(state: Dict[str, Tensor], cfg: dict) -> Dict[str, Tensor]:
-    """Stock Megatron names -> HF names (inverse of :func:`hf_to_megatron`)."""
+    """Stock Megatron names -> HF names (inverse of :func:`hf_to_megatron`; a released multimodal
+    Qwen3.5's language model under its released names)."""
     arch = _arch(cfg)
+    released = qwen3_5.is_released(cfg)
     cfg = _with_defaults(cfg, arch)
     todo = dict(state)
     take = _taker(todo, "megatron state")
     # zero-centered norms (Qwen3-Next): Megatron holds 1 + w
     norm = qwen3_next.norm_from_megatron if arch in HYBRID_ARCHS else (lambda w: w)
     gdn = qwen3_next.layer_pattern(cfg) if arch in HYBRID_ARCHS else [0] * cfg["num_hidden_layers"]
+    gdn_from_megatron = qwen3_5.gdn_from_megatron if arch in qwen3_5.ARCHS else qwen3_next.gdn_from_megatron
+    moe_set = moe_layer_set(cfg, arch)
 
     out = {"model.embed_tokens.weight": take("embedding.word_embeddings.weight")}
     for i in range(cfg["num_hidden_layers"]):
@@ -368,7 +382,7 @@ def megatron_to_hf(state: Dict[str, Tensor], cfg: dict) -> Dict[str, Tensor]:
         attn = hf + "self_attn."
         out[hf + "input_layernorm.weight"] = norm(take(mg + "input_layernorm.weight"))
         if gdn[i]:
-            out.update(qwen3_next.gdn_from_megatron(take, cfg, mg + "self_attention.", hf + "linear_attn."))
+            out.update(gdn_from_megatron(take, cfg, mg + "self_attention.", hf + "linear_attn."))
         elif arch in HYBRID_ARCHS:
             out.update(qwen3_next.attention_from_megatron(take, cfg, mg + "self_attention.", attn))
         elif arch in MLA_ARCHS:
@@ -376,14 +390,8 @@ def megatron_to_hf(state: Dict[str, Tensor], cfg: dict) -> Dict[str, Tensor]:
         else:
             out.update(_attention_from_megatron(take, todo, cfg, mg + "self_attention.", attn))
         out[hf + "post_attention_layernorm.weight"] = norm(take(mg + "pre_mlp_layernorm.weight"))
-        if arch in MOE_ARCHS:
-            block, (gate_name, up_name, down_name) = _EXPERT_NAMES[arch]
-            out[hf + block + "gate.weight"] = take(mg + "mlp.router.weight")
-            for j in range(num_experts(cfg)):
-                src, dst = f"{mg}mlp.experts.local_experts.{j}.", f"{hf}{block}experts.{j}."
-                gate, up = take(src + "linear_fc1.weight").chunk(2)
-                out[dst + gate_name + ".weight"], out[dst + up_name + ".weight"] = gate, up
-                out[dst + down_name + ".weight"] = take(src + "linear_fc2.weight")
+        if i in moe_set:
+            out.update(moe.from_megatron(take, cfg, arch, mg, hf))
             continue
         gate, up = take(mg + "mlp.linear_fc1.weight").chunk(2)
         out[hf + "mlp.gate_proj.weight"], out[hf + "mlp.up_proj.weight"] = gate, up
@@ -393,4 +401,6 @@ def megatron_to_hf(state: Dict[str, Tensor], cfg: dict) -> Dict[str, Tensor]:
         out["lm_head.weight"] = take("output_layer.weight")
     if todo:
         raise ValueError(f"megatron state: unexpected tensors {sorted(todo)[:5]}")
+    if released:  # the released checkpoint's names
+        out = qwen3_5.to_released_names(out)
     return {k: v.contiguous() for k, v in out.items()}

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from megatron_branch._megatron import gdn_unavailable_reason
-from megatron_branch.full_state import full_state, load_full_state
+from megatron_branch.full_state import WEIGHT_BUFFERS, full_state, load_full_state
 from megatron_branch.hf.io import read_config, read_weights
 from megatron_branch.hf.mapping import (
     check_params_dtype,
@@ -41,12 +41,14 @@ def build_from_hf_config(hf_cfg: dict, params_dtype: torch.dtype = torch.float32
     check_params_dtype(hf_cfg, params_dtype)
     config_kwargs, model_kwargs = megatron_args_from_hf(hf_cfg)
     layout = ParallelLayout.current()
-    if config_kwargs.get("experimental_attention_variant") and layout.initialized and layout.tp > 1:
+    needs_sp = config_kwargs.get("experimental_attention_variant") or config_kwargs.get("num_moe_experts")
+    if needs_sp and layout.initialized and layout.tp > 1:
         # the branch GDN layer refuses TP without sequence parallelism (its out_norm gradient
-        # is summed over the TP ranks only for sequence-parallel norms; spec/gdn.py)
+        # is summed over the TP ranks only for sequence-parallel norms; spec/gdn.py), and so does
+        # megatron-core's TransformerConfig for MoE layers under TP
         config_kwargs.update(tensor_model_parallel_size=layout.tp, sequence_parallel=True)
     config_kwargs.update(config_overrides)
-    if num_experts(hf_cfg):  # Megatron's MoE layer with sequential experts, branch statistics
+    if num_experts(hf_cfg):  # Megatron's MoE layers with sequential experts, branch statistics
         spec_kwargs = {"num_experts": num_experts(hf_cfg), "moe_grouped_gemm": False, **(spec_kwargs or {})}
     # DeepSeek-V3: an MLATransformerConfig (multi-latent attention); Qwen3-Next: the hybrid
     # GDN config (deterministic_mode: Megatron's torch GDN kernels); otherwise a plain one
@@ -92,8 +94,14 @@ def load_gpt_from_hf(hf_dir: str, params_dtype: torch.dtype = torch.float32, **s
     hf_cfg = read_config(hf_dir)
     model, config = build_from_hf_config(hf_cfg, params_dtype, spec_kwargs)
     state = hf_to_megatron(read_weights(hf_dir), hf_cfg)
-    load_state(model, {k: v.to(params_dtype) for k, v in state.items()})
+    load_state(model, cast_weights(state, params_dtype))
     return model, config
+
+
+def cast_weights(state: Dict[str, Tensor], dtype: torch.dtype) -> Dict[str, Tensor]:
+    """``state`` in the parameters' ``dtype``; the weight buffers Megatron keeps in float32
+    (the router's expert bias: :data:`~megatron_branch.full_state.WEIGHT_BUFFERS`) as they are."""
+    return {k: v if k.endswith(WEIGHT_BUFFERS) else v.to(dtype) for k, v in state.items()}
 
 
 def load_state(model, state: Dict[str, Tensor]) -> None:
@@ -118,4 +126,4 @@ def export_hf_state(model, hf_cfg: dict, dtype: Optional[torch.dtype] = None) ->
     return {k: v.to(dtype) for k, v in out.items()} if dtype is not None else out
 
 
-__all__ = ["build_from_hf_config", "export_hf_state", "load_gpt_from_hf", "load_state", "model_state"]
+__all__ = ["build_from_hf_config", "cast_weights", "export_hf_state", "load_gpt_from_hf", "load_state", "model_state"]

@@ -18,6 +18,7 @@ from megatron_branch.cpu import cuda_factories_on_cpu
 from megatron_branch.spec import get_branch_layer_spec
 from megatron_branch.spec.attention import apply_branch_attention
 from megatron_branch.spec.layer_spec import get_branch_hybrid_block_spec
+from megatron_branch.spec.moe.pattern import mix_dense_and_moe, moe_layer_pattern
 from megatron_branch.spec.stock_hybrid import get_local_hybrid_block_spec, get_local_hybrid_stack_spec
 from megatron_branch.spec.stock_mla import get_stock_mla_layer_spec
 
@@ -139,7 +140,9 @@ def build_gpt(
             (for multi-latent attention :func:`~megatron_branch.spec.stock_mla.get_stock_mla_layer_spec`,
             for hybrid GDN configs :func:`~megatron_branch.spec.stock_hybrid.get_local_hybrid_block_spec`).
         max_sequence_length: longest position.
-        spec_kwargs: extra keywords for the layer spec (``backend``, ``chunk_size``, ...).
+        spec_kwargs: extra keywords for the layer spec (``backend``, ``chunk_size``, ...); with
+            ``num_experts`` and a ``config.moe_layer_freq`` that keeps some layers dense, a block
+            spec of dense and MoE layers (:func:`~megatron_branch.spec.moe.pattern.mix_dense_and_moe`).
         seed: seeds the CPU generator before initialisation, for reproducible weights.
         **model_kwargs: forwarded to ``GPTModel`` (e.g. ``share_embeddings_and_output_weights``).
     """
@@ -148,7 +151,15 @@ def build_gpt(
     spec_kwargs.setdefault("qk_layernorm", config.qk_layernorm)
     mla = bool(getattr(config, "multi_latent_attention", False))
     hybrid = getattr(config, "experimental_attention_variant", None) == "gated_delta_net"
-    if branch and hybrid:
+    pattern = moe_layer_pattern(config) if spec_kwargs.get("num_experts") else None
+    if branch and pattern:  # dense and MoE layers (config.moe_layer_freq): a block spec
+        dense_kwargs = {k: v for k, v in spec_kwargs.items() if k not in ("num_experts", "moe_grouped_gemm")}
+        if hybrid:
+            dense, moe = (get_branch_hybrid_block_spec(config, **kw) for kw in (dense_kwargs, spec_kwargs))
+        else:
+            dense, moe = (get_branch_layer_spec(multi_latent_attention=mla, **kw) for kw in (dense_kwargs, spec_kwargs))
+        spec = mix_dense_and_moe(config, dense, moe, pattern)
+    elif branch and hybrid:
         spec = get_branch_hybrid_block_spec(config, **spec_kwargs)
     elif branch:
         spec = get_branch_layer_spec(multi_latent_attention=mla, **spec_kwargs)

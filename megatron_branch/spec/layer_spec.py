@@ -95,7 +95,9 @@ def get_branch_hybrid_block_spec(
         config: a ``TransformerConfig`` with ``experimental_attention_variant="gated_delta_net"``
             (and ``deterministic_mode=True`` on CPU: Megatron's torch kernels).
         backend, chunk_size, kernel: as for :func:`get_branch_layer_spec`.
-        **local_spec_kwargs: forwarded to Megatron's ``get_gpt_layer_local_spec``.
+        **local_spec_kwargs: forwarded to Megatron's ``get_gpt_layer_local_spec``; with
+            ``num_experts`` every layer's MLP is a branch MoE layer (Qwen3-Next / Qwen3.5-MoE;
+            ``moe_token_dropping`` as for :func:`get_branch_layer_spec`).
 
     Returns:
         A ``TransformerBlockSubmodules`` for ``GPTModel(transformer_layer_spec=...)``.
@@ -106,5 +108,7 @@ def get_branch_hybrid_block_spec(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
+    moe_token_dropping = local_spec_kwargs.pop("moe_token_dropping", "refuse")
     base = get_local_hybrid_block_spec(config, **local_spec_kwargs)
-    return apply_branch_attention(base, backend=backend, chunk_size=chunk_size, kernel=kernel)
+    spec = apply_branch_attention(base, backend=backend, chunk_size=chunk_size, kernel=kernel)
+    return apply_branch_moe(spec, token_dropping=moe_token_dropping)  # a no-op without num_experts

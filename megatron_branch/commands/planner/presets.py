@@ -333,6 +333,15 @@ MODELS: Dict[str, ModelSpec] = {
                   attention_output_gate=True, linear_attention_pattern=(1, 1, 1, 0) * 15, linear_num_key_heads=16,
                   linear_num_value_heads=64, linear_key_head_dim=128, linear_value_head_dim=128,
                   linear_conv_kernel_dim=4),
+        # GLM-4.5 (zai-org/GLM-4.5 config.json): 92 layers, hidden 5120, attention 96 heads / 8 KV
+        # heads of 128 (partial RoPE, q/k norms and q/k/v biases: no effect on these counts beyond
+        # the biases, not counted); 3 dense layers then 89 MoE layers of 160 experts of 1536, top-8,
+        # plus one shared expert of 1536; vocab 151552, untied. The dense layers are counted at the
+        # MoE layers' active width 13824 (theirs is 12288: +0.05B). 352.9B parameters (card: 355B;
+        # the multi-token-prediction layer is not counted), 33.7B active with the embeddings (card: 32B).
+        ModelSpec("GLM-4.5", 92, 5120, 96, 8, 8 * 1536 + 1536, 151552, head_dim=128, num_experts=160,
+                  experts_per_token=8, moe_ffn_hidden_size=1536, shared_expert_ffn_hidden_size=1536,
+                  first_dense_layers=3),
     )
 }
 
