@@ -4,6 +4,7 @@ Megatron's API moves between releases (GPTModel -> HybridModel, ModuleSpec -> ty
 builders); keeping the imports here confines a port to this file. Pinned: 0.16.x.
 """
 
+import contextlib
 import warnings as _warnings
 from dataclasses import dataclass
 from typing import Dict, Optional
@@ -32,9 +33,17 @@ from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+from megatron.core.transformer.transformer_block import (
+    TransformerBlock,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
 
 vocab_parallel_cross_entropy = tensor_parallel.vocab_parallel_cross_entropy
 gather_from_sequence_parallel_region = tensor_parallel.gather_from_sequence_parallel_region
@@ -67,6 +76,48 @@ except ImportError:  # 0.16: no GatedDeltaNet, no HybridModel
     GatedDeltaNet = GatedDeltaNetSubmodules = gdn_common = get_linear_attention_pattern = None
     get_transformer_block_with_experimental_attention_variant_spec = None
     hybrid_block = HybridStack = HybridStackSubmodules = HybridModel = MLPLayer = None
+
+# --- Rollout routing replay (0.16.1 and 0.19.2 ship it; megatron_branch.spec.moe.routing_replay) --
+try:
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction  # noqa: E402
+except ImportError:  # older releases: no RouterReplay, no moe_enable_routing_replay
+    RouterReplay = RouterReplayAction = None
+
+
+def router_replay_unavailable_reason(config) -> Optional[str]:
+    """Why a router of a model with ``config`` cannot replay given experts, or None.
+
+    Megatron's ``TopKRouter`` holds a ``RouterReplay`` only when
+    ``moe_enable_routing_replay`` is set (megatron-core 0.16.1 and 0.19.2 have it), and its fused top-k
+    (``moe_router_fusion``, Transformer Engine's kernel) bypasses it.
+    """
+    if RouterReplay is None:
+        major, minor = megatron_core_version()
+        return (f"megatron-core {major}.{minor} has no RouterReplay (megatron/core/transformer/moe/"
+                "router_replay.py, in 0.16.1 and 0.19.2: TransformerConfig(moe_enable_routing_replay=True))")
+    if not getattr(config, "moe_enable_routing_replay", False):
+        return ("moe_enable_routing_replay is off: build the model with "
+                "TransformerConfig(moe_enable_routing_replay=True) so its routers hold Megatron's RouterReplay")
+    if getattr(config, "moe_router_fusion", False):
+        return "moe_router_fusion: the fused top-k kernel bypasses Megatron's RouterReplay; set it to False"
+    return None
+
+
+@contextlib.contextmanager
+def replaying_topk(router, top_indices):
+    """Inside, ``router`` (a ``TopKRouter`` with a ``RouterReplay``) routes every token to
+    ``top_indices [tokens, topk]`` (Megatron's ``REPLAY_FORWARD``: the probabilities are its
+    score function gathered at those experts). The replay's previous state (a caller's own
+    global replay) is restored on exit."""
+    replay = router.router_replay
+    saved = (replay.target_topk_idx, list(replay.replay_backward_list), replay.router_replay_action)
+    replay.set_target_indices(top_indices)
+    replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    try:
+        yield
+    finally:
+        replay.target_topk_idx, replay.replay_backward_list, replay.router_replay_action = saved
+
 
 try:  # megatron-core >= 0.19: a metrics tracker object
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker as _metrics_tracker
@@ -237,6 +288,8 @@ __all__ = [
     "get_gpt_decoder_block_spec",
     "get_gpt_layer_local_spec",
     "get_gpt_layer_with_transformer_engine_spec",
+    "get_num_layers_to_build",
+    "get_transformer_layer_offset",
     "megatron_core_release",
     "megatron_core_version",
     "moe_logged_metrics",
@@ -267,4 +320,9 @@ __all__ = [
     "get_transformer_block_with_experimental_attention_variant_spec",
     "hybrid_block",
     "mla_unbuildable_reason",
+    # rollout routing replay (None in releases without RouterReplay)
+    "RouterReplay",
+    "RouterReplayAction",
+    "replaying_topk",
+    "router_replay_unavailable_reason",
 ]

@@ -10,12 +10,13 @@ statistics); :func:`make_naive_forward_step` is the naive truth as a Megatron fo
 
 from __future__ import annotations
 
-from typing import List, Sequence
+import contextlib
+from typing import List, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from megatron_branch._megatron import vocab_parallel_cross_entropy
+from megatron_branch._megatron import TopKRouter, replaying_topk, vocab_parallel_cross_entropy
 from megatron_branch.scoring.temperature import Temperatures
 
 
@@ -132,12 +133,33 @@ def make_naive_forward_step(loss_fn, sequences: Sequence, forward_only: bool = F
     return forward_step
 
 
-def naive_moe_logprobs(model, sequences: Sequence, *, fused_causal: bool = False) -> Tensor:
+def replayed_batch_routing(model, routing: Sequence[Tensor], width: int):
+    """Inside, the ``TopKRouter`` modules of ``model`` (layer order) replay ``routing``
+    (per rollout ``[len_r, moe_layers, topk]``) for a right-padded ``[R, width]`` batch:
+    each router gets its layer's ``[width * R, topk]`` experts in Megatron's token order
+    (sequence-major), padding routed to experts ``0..topk-1``. Megatron's own
+    ``RouterReplay`` (``moe_enable_routing_replay=True``)."""
+    found = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    stack = contextlib.ExitStack()
+    for layer, router in enumerate(found):
+        topk = router.topk
+        target = torch.arange(topk).repeat(len(routing), width, 1)  # [R, width, k]
+        for r, x in enumerate(routing):
+            target[r, : x.shape[0]] = torch.as_tensor(x)[:, layer].long()
+        device = next(model.parameters()).device
+        stack.enter_context(replaying_topk(router, target.transpose(0, 1).reshape(-1, topk).to(device)))
+    return stack
+
+
+def naive_moe_logprobs(model, sequences: Sequence, *, fused_causal: bool = False,
+                       routing: Optional[Sequence[Tensor]] = None) -> Tensor:
     """``[R, max_len - 1]`` log-probs of the naive MoE batch: every rollout one sequence of a
     right-padded batch with Megatron's MoE ``padding_mask`` (True = padding), so the router
     statistics count exactly the rollouts' tokens. Use a stock-spec model, or with
     ``fused_causal`` a branch-spec model: no mask tensor, the layer's causal mask type runs
-    torch's fused ``is_causal`` SDPA (the benchmarks' fair naive)."""
+    torch's fused ``is_causal`` SDPA (the benchmarks' fair naive). ``routing``: per rollout
+    the experts ``[len_r, moe_layers, topk]`` every router replays
+    (:func:`replayed_batch_routing`)."""
     seqs = [torch.as_tensor(s, dtype=torch.long) for s in sequences]
     device = next(model.parameters()).device
     lengths = torch.tensor([s.numel() for s in seqs], device=device)
@@ -149,7 +171,9 @@ def naive_moe_logprobs(model, sequences: Sequence, *, fused_causal: bool = False
     padding = pos[None, :] >= lengths[:, None]  # [b, s]
     mask = None if fused_causal else torch.ones(width, width, dtype=torch.bool, device=device).triu(1)[None, None]
     kwargs = {"padding_mask": padding} if bool(padding.any()) else {}
-    logits = model(ids, pos[None].expand(len(seqs), -1), attention_mask=mask, **kwargs)
+    replay = contextlib.nullcontext() if routing is None else replayed_batch_routing(model, routing, width)
+    with replay:
+        logits = model(ids, pos[None].expand(len(seqs), -1), attention_mask=mask, **kwargs)
     lp = token_logprobs(logits[:, :-1], ids[:, 1:])
     valid = pos[None, 1:] < lengths[:, None]
     return torch.where(valid, lp, torch.zeros((), device=device))

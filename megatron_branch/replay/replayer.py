@@ -34,6 +34,7 @@ from megatron_branch.replay.plan import ReplayOp
 from megatron_branch.scoring.logprobs import per_rollout
 from megatron_branch.scoring.temperature import Temperatures
 from megatron_branch.scoring.unit import ChildIndex, forward_unit
+from megatron_branch.spec.moe.routing_replay import TreeRouting
 from megatron_branch.tree import BranchTree
 
 LossFn = Callable[[Tensor, Tensor], Union[Tensor, Tuple[Tensor, Tensor]]]
@@ -84,15 +85,18 @@ class Replayer:
         capacity: rows of the path cache (this rank's share of the deepest stem path).
         scored: ``[U]`` bool, the tokens whose log-probs the loss reads (``None``: all).
         temperatures: the rollouts' sampling temperatures (``None``: 1.0).
+        routing: the experts every MoE router replays (rollout routing replay), or None;
+            bound to each unit's forward, so a recomputed stem replays them too.
     """
 
     def __init__(self, model, tree: BranchTree, loss_fn: LossFn, exact: bool, recompute_stem: bool,
                  cp_comm_type: str, capacity: int, scored: Optional[Tensor] = None,
-                 temperatures: Optional[Temperatures] = None):
+                 temperatures: Optional[Temperatures] = None, routing: Optional[TreeRouting] = None):
         self.model, self.tree, self.loss_fn = model, tree, loss_fn
         self.exact, self.recompute_stem = exact, recompute_stem
         self.cp_comm_type = cp_comm_type
         self.scored = scored
+        self.routing = routing
         self.temps = temperatures or Temperatures.of(1.0, tree.num_rollouts)
         self.grad_on = torch.is_grad_enabled()
         self.device = model_device(model)
@@ -145,7 +149,7 @@ class Replayer:
         idx, lp, _ = forward_unit(
             self.model, self.tree, start, end, self.children, cp_comm_type=self.cp_comm_type,
             scored=self.scored, temperatures=None if self.temps.is_one else self.temps.values,
-            cache=self.cache, **stem,
+            cache=self.cache, routing=self.routing, **stem,
         )
         return idx, lp
 

@@ -51,6 +51,7 @@ from megatron_branch.scoring.temperature import Temperature, Temperatures
 from megatron_branch.scoring.unit import local_unit_rows
 from megatron_branch.spec.moe import RoutingStatistics, collecting_statistics
 from megatron_branch.spec.moe import routing_statistics as bound_statistics
+from megatron_branch.spec.moe.routing_replay import Routing, tree_routing
 from megatron_branch.tree import BranchTree
 
 PrefixGrad = Literal["exact", "detached"]
@@ -102,6 +103,7 @@ def replay_step(
     score_mask: Optional[Tensor] = None,
     routing_statistics: Optional[RoutingStatistics] = None,
     temperature: Optional[Temperature] = None,
+    routing: Optional[Routing] = None,
 ) -> ReplayStats:
     """One branch-replay forward/backward of ``loss_fn`` over the rollouts of ``tree``.
 
@@ -137,6 +139,9 @@ def replay_step(
             log-probs); otherwise a step that needs them collects them itself.
         temperature: the sampling temperature, one number or one per rollout (log-probs
             of ``softmax(logits / T)``; :mod:`megatron_branch.scoring.temperature`).
+        routing: rollout routing replay (MoE): per rollout ``[len_r, moe_layers, topk]``
+            experts the engine chose, as for :func:`megatron_branch.rollout_logprobs`;
+            every unit's forward (and a recomputed stem's) replays them.
 
     Returns:
         :class:`ReplayStats`. Parameter ``.grad`` (``main_grad`` under Megatron DDP) hold
@@ -145,12 +150,14 @@ def replay_step(
 
     Raises:
         ValueError: the model lacks tree attention, a bad ``prefix_grad`` or budget, a
-            ``loss_fn`` that does not return a scalar, or groups that cannot fit.
+            ``loss_fn`` that does not return a scalar, groups that cannot fit, or a bad
+            ``routing`` (:func:`~megatron_branch.spec.moe.routing_replay.tree_routing`).
     """
     if prefix_grad not in ("exact", "detached"):
         raise ValueError(f"prefix_grad: {prefix_grad!r} is not one of ('exact', 'detached')")
     model = single_chunk(model, "replay_step")
     found = check_model(model, tree)  # and the MoE routers, from the same walk
+    replayed = tree_routing(tree, routing, found)  # checked before any work
     refresh_fp8_weights(model)  # an optimizer step may have changed them since the last forward
     temps = Temperatures.of(temperature, tree.num_rollouts)
     exact = prefix_grad == "exact" and torch.is_grad_enabled()
@@ -175,12 +182,13 @@ def replay_step(
     check_fp8_plan(model, ops, recompute_stem=recompute_stem)  # and every rank of FP8's amax reduction
     if statistics_pass:
         routing_statistics, _ = collect_routing_statistics(model, tree, max_chunk_tokens=max_chunk_tokens,
-                                                           group_ids=group_ids, cp_comm_type=cp_comm_type)
+                                                           group_ids=group_ids, cp_comm_type=cp_comm_type,
+                                                           routing=replayed)
     owners: Dict[int, List[int]] = unit_of_rollouts(tree, ops)
     scored = None if score_mask is None else scored_tokens(tree, score_mask)
     # each CP rank caches only its share of every stem
     capacity = path_capacity(ops, lambda op: local_unit_rows(model, tree, op.start, op.end, op.cached_end))
-    run = Replayer(model, tree, loss_fn, exact, recompute_stem, cp_comm_type, capacity, scored, temps)
+    run = Replayer(model, tree, loss_fn, exact, recompute_stem, cp_comm_type, capacity, scored, temps, replayed)
     if in_step is not None:
         run.after_last_forward = lambda: in_step.finish(found)
     meter = PeakMemory(run.device) if measure_memory else contextlib.nullcontext()
@@ -205,13 +213,14 @@ def replay_step(
 def replay_logprobs(
     model, tree: BranchTree, *, max_chunk_tokens: Optional[int] = None, score_mask: Optional[Tensor] = None,
     cp_comm_type: str = "allgather", group_ids: Optional[Sequence[int]] = None,
-    temperature: Optional[Temperature] = None,
+    temperature: Optional[Temperature] = None, routing: Optional[Routing] = None,
 ) -> Tensor:
     """Forward-only ``[R, max_len - 1]`` log-probs with the same chunking (old/ref policy).
 
     Runs under ``torch.no_grad()``; memory is bounded like :func:`replay_step`'s.
-    ``score_mask``, ``group_ids`` and ``temperature`` as for :func:`replay_step` (the same
-    plan as a step with those ``group_ids``; the log-probs do not depend on it).
+    ``score_mask``, ``group_ids``, ``temperature`` and ``routing`` as for
+    :func:`replay_step` (the same plan as a step with those ``group_ids``; the log-probs
+    do not depend on it).
     """
     model = single_chunk(model, "replay_logprobs")
     out = torch.zeros(tree.num_rollouts, max(tree.max_len - 1, 0), dtype=torch.float32, device=model_device(model))
@@ -222,19 +231,22 @@ def replay_logprobs(
 
     with torch.no_grad():
         replay_step(model, tree, collect, max_chunk_tokens=max_chunk_tokens, score_mask=score_mask,
-                    cp_comm_type=cp_comm_type, group_ids=group_ids, temperature=temperature)
+                    cp_comm_type=cp_comm_type, group_ids=group_ids, temperature=temperature, routing=routing)
     return out
 
 
 def collect_routing_statistics(model, tree: BranchTree, *, max_chunk_tokens: Optional[int] = None,
                                group_ids: Optional[Sequence[int]] = None,
-                               cp_comm_type: str = "allgather") -> Tuple[RoutingStatistics, Tensor]:
+                               cp_comm_type: str = "allgather",
+                               routing: Optional[Routing] = None) -> Tuple[RoutingStatistics, Tensor]:
     """One forward-only pass over ``tree`` that records every MoE layer's router counts.
 
     Runs :func:`replay_logprobs` (memory-bounded like the step) and sums the counts over
     TP x CP (and DP for the global aux loss): a collective, so every rank of those groups
     calls it. Use the same ``max_chunk_tokens`` and ``group_ids`` as the step (the
-    routing then sees bit-identical inputs); :func:`replay_step` does this itself.
+    routing then sees bit-identical inputs) and ``routing`` (rollout routing replay: the
+    deeper layers' router inputs depend on the replayed experts); :func:`replay_step` does
+    this itself.
 
     Returns:
         ``(statistics, logprobs [R, max_len - 1])``: the log-probs are
@@ -243,6 +255,6 @@ def collect_routing_statistics(model, tree: BranchTree, *, max_chunk_tokens: Opt
     stats = RoutingStatistics(tree)
     with collecting_statistics(model, stats) as found:
         lp = replay_logprobs(model, tree, max_chunk_tokens=max_chunk_tokens, group_ids=group_ids,
-                             cp_comm_type=cp_comm_type)
+                             cp_comm_type=cp_comm_type, routing=routing)
     stats.finish(found)
     return stats, lp

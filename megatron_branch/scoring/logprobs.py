@@ -19,12 +19,14 @@ from megatron_branch.scoring.output_rows import scored_tokens
 from megatron_branch.scoring.temperature import Temperature, Temperatures
 from megatron_branch.scoring.unit import forward_unit
 from megatron_branch.scoring.vocab import child_logprobs
+from megatron_branch.spec.moe.routing_replay import Routing, tree_routing
 from megatron_branch.tree import BranchTree
 
 
 def rollout_logprobs(
     model, tree: BranchTree, *, entropy: bool = False, cp_comm_type: str = "allgather",
     score_mask: Optional[Tensor] = None, temperature: Optional[Temperature] = None,
+    routing: Optional[Routing] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Differentiable per-rollout log-probs from one packed forward over ``tree``.
 
@@ -49,6 +51,12 @@ def rollout_logprobs(
         temperature: the sampling temperature, one number or one per rollout: log-probs
             and entropies of ``softmax(logits / T)``, as the rollout engine sampled
             (:mod:`megatron_branch.scoring.temperature`). Default 1.
+        routing: rollout routing replay (MoE): per rollout an integer tensor
+            ``[len_r, moe_layers, topk]`` of the experts the rollout engine chose at each
+            position, forced through Megatron's ``RouterReplay`` (needs
+            ``moe_enable_routing_replay=True``); rollouts sharing a
+            token must agree on its experts
+            (:mod:`megatron_branch.spec.moe.routing_replay`). ``None``: the routers choose.
 
     Returns:
         ``lp [R, max_len - 1]`` float32, 0 past each rollout's end; with ``entropy=True``
@@ -56,16 +64,18 @@ def rollout_logprobs(
 
     Raises:
         ValueError: the model lacks tree attention, a token id is outside its vocabulary,
-            or a temperature is not a finite number > 0 or has the wrong length.
+            a temperature is not a finite number > 0 or has the wrong length, or a bad
+            ``routing`` (see :func:`~megatron_branch.spec.moe.routing_replay.tree_routing`).
     """
     model = single_chunk(model, "rollout_logprobs")
-    check_model(model, tree)
+    found = check_model(model, tree)
+    replayed = tree_routing(tree, routing, found)
     refresh_fp8_weights(model)  # the weights may have changed since the last forward
     temps = Temperatures.of(temperature, tree.num_rollouts)
     scored = None if score_mask is None else scored_tokens(tree, score_mask)
     idx, lp_child, ent_child = forward_unit(
         model, tree, 0, tree.unique_positions, cp_comm_type=cp_comm_type, entropy=entropy, scored=scored,
-        temperatures=None if temps.is_one else temps.values,
+        temperatures=None if temps.is_one else temps.values, routing=replayed,
     )
     idx = idx.to(lp_child.device)
     lp = per_rollout(lp_child.new_zeros(tree.unique_positions, temps.count).index_put((idx,), lp_child), tree,

@@ -126,6 +126,7 @@ def packed_logprobs(
     score_mask: Optional[Tensor] = None,
     entropy: bool = False,
     vocab_size: Optional[int] = None,
+    routing: Optional[Tensor] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Per-token log-probs of a packed batch of whole sequences, each unique position computed once.
 
@@ -139,6 +140,10 @@ def packed_logprobs(
             mask): the vocabulary projection runs only for those positions.
         entropy: also return per-token entropies in the same layout.
         vocab_size: check every token id against it.
+        routing: rollout routing replay (MoE): the experts the engine chose for every
+            token, laid out like ``tokens`` with two more dimensions: THD
+            ``[T, moe_layers, topk]`` or padded ``[B, S, moe_layers, topk]`` (padding
+            entries are ignored); see :func:`megatron_branch.rollout_logprobs`.
 
     Returns:
         ``lp`` shaped like ``tokens`` (float32), ``lp[i] = log p(tokens[i + 1] | <= i)``
@@ -147,8 +152,8 @@ def packed_logprobs(
 
     Raises:
         ValueError: a malformed layout (see :func:`thd_layout`, :func:`padded_layout`), a
-            ``score_mask`` of another shape, a bad temperature, or a token id outside the
-            vocabulary; the sequence or field named.
+            ``score_mask`` or ``routing`` of another shape, a bad temperature or routing,
+            or a token id outside the vocabulary; the sequence or field named.
     """
     if tokens.dim() == 2:
         if cu_seqlens is not None or lengths is None:
@@ -172,7 +177,15 @@ def packed_logprobs(
         flat_mask = score_mask.reshape(-1).to(HOST)
         mask = torch.zeros(tree.num_rollouts, width, dtype=torch.bool, device=HOST)
         mask[valid] = flat_mask[where] != 0
-    out = rollout_logprobs(model, tree, temperature=temperature, score_mask=mask, entropy=entropy)
+    per_sequence = None
+    if routing is not None:
+        if not isinstance(routing, Tensor) or routing.dim() != tokens.dim() + 2 or \
+                tuple(routing.shape[: tokens.dim()]) != tuple(tokens.shape):
+            got = tuple(routing.shape) if isinstance(routing, Tensor) else type(routing).__name__
+            raise ValueError(f"routing: expected tokens' shape {tuple(tokens.shape)} + (moe_layers, topk), got {got}")
+        per_sequence = layout.sequences(routing.reshape(-1, *routing.shape[tokens.dim():]))
+    out = rollout_logprobs(model, tree, temperature=temperature, score_mask=mask, entropy=entropy,
+                           routing=per_sequence)
     lp, ent = (out if entropy else (out, None))
 
     def scatter(values: Tensor) -> Tensor:

@@ -24,6 +24,7 @@ from megatron_branch.tree import BranchSegment, BranchTree
 
 if TYPE_CHECKING:
     from megatron_branch.attention.path_cache import PathCache
+    from megatron_branch.spec.moe.routing_replay import TreeRouting
 
 T = TypeVar("T")
 
@@ -50,6 +51,8 @@ class BranchPackedSeqParams(PackedSeqParams):
             padding): how often the naive batch would see it (MoE router statistics).
         tree: the packed tree the unit belongs to (MoE statistics over rollouts).
         start: packed index of the unit's first token in ``tree``.
+        routing: the experts every MoE router replays for the tree's tokens (rollout
+            routing replay, :mod:`megatron_branch.spec.moe.routing_replay`), or None.
     """
 
     positions: Optional[Tensor] = None
@@ -65,6 +68,7 @@ class BranchPackedSeqParams(PackedSeqParams):
     multiplicity: Optional[Tensor] = None
     tree: Optional[BranchTree] = field(default=None, repr=False)
     start: int = 0
+    routing: Optional["TreeRouting"] = field(default=None, repr=False)
     _pieces: Dict[tuple, list] = field(
         default_factory=dict, repr=False
     )

@@ -16,7 +16,7 @@ refused rather than silently different.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -31,6 +31,8 @@ from megatron_branch.scoring.logprobs import per_rollout
 from megatron_branch.scoring.output_rows import scored_tokens, select_output_rows
 from megatron_branch.scoring.temperature import Temperature, micro_batch_temperatures
 from megatron_branch.scoring.unit import ChildIndex, UnitRows, prepare_unit, score_unit, unit_multiple
+from megatron_branch.spec.moe import routers
+from megatron_branch.spec.moe.routing_replay import Routing, TreeRouting, moe_layer_columns, tree_routing
 from megatron_branch.training.batching import TreeMicroBatch
 from megatron_branch.tree import BranchTree
 
@@ -78,6 +80,7 @@ def forward_backward(
     forward_step_func: Optional[Callable] = None,
     cp_comm_type: str = "allgather",
     temperature: Optional[Temperature] = None,
+    routing: Optional[Routing] = None,
 ):
     """Run Megatron's schedule (``get_forward_backward_func``) over ``data``, one tree per
     micro-batch. Returns the schedule's per-micro-batch dicts (last pipeline stage).
@@ -95,6 +98,10 @@ def forward_backward(
         cp_comm_type: context-parallel K/V exchange.
         temperature: the sampling temperature, one number or one per rollout of the global
             batch (:mod:`megatron_branch.scoring.temperature`).
+        routing: rollout routing replay (MoE): per rollout of the global batch
+            ``[len_r, moe_layers, topk]`` experts (or one ``[R, >= max_len, moe_layers,
+            topk]`` tensor); every micro-batch's is checked before the schedule runs
+            (:func:`megatron_branch.spec.moe.routing_replay.tree_routing`).
 
     Returns:
         One dict per micro-batch: ``{"lm loss": [loss_sum, num_tokens]}`` (a bare loss
@@ -117,7 +124,13 @@ def forward_backward(
     sizes = {padded_length(x.tree, chunks[0]) for x in items}
     if len(sizes) > 1 and config.pipeline_model_parallel_size > 1 and not config.variable_seq_lengths:
         raise ValueError("data: micro-batch trees differ in size; set config.variable_seq_lengths=True")
-    step = forward_step_func or make_forward_step(loss_fn, forward_only, cp_comm_type, temperature)
+    columns = None
+    if routing is not None:  # checked before any work; the layer columns are a collective under PP
+        columns = moe_layer_columns([r for c in chunks for r in routers(c)])
+        for item in items:
+            micro_batch_routing(chunks[0], item, routing, columns)
+    step = forward_step_func or make_forward_step(loss_fn, forward_only, cp_comm_type, temperature, routing,
+                                                  routing_columns=columns)
     with cuda_factories_on_cpu():
         return get_forward_backward_func()(
             forward_step_func=step, data_iterator=iter(items),
@@ -126,8 +139,22 @@ def forward_backward(
         )
 
 
+def micro_batch_routing(model, item: TreeMicroBatch, routing: Optional[Routing],
+                        columns: Optional[Dict[int, int]] = None) -> Optional[TreeRouting]:
+    """The replayed experts of one micro-batch's tree, from the global batch's ``routing``
+    (per rollout, or one padded ``[R, S, moe_layers, topk]`` tensor); errors name the
+    rollouts by their index in the global batch."""
+    if routing is None:
+        return None
+    ids = item.rollouts.to(HOST)
+    part = routing[ids] if isinstance(routing, Tensor) and routing.dim() == 4 else [routing[int(r)] for r in ids]
+    return tree_routing(item.tree, part, routers(model), rollout_ids=ids.tolist(), columns=columns,
+                        config=unwrap(model).config)
+
+
 def make_forward_step(loss_fn: LossFn, forward_only: bool = False, cp_comm_type: str = "allgather",
-                      temperature: Optional[Temperature] = None):
+                      temperature: Optional[Temperature] = None, routing: Optional[Routing] = None, *,
+                      routing_columns: Optional[Dict[int, int]] = None):
     """A ``forward_step_func(data_iterator, model)`` whose iterator yields trees or
     :class:`TreeMicroBatch`.
 
@@ -137,14 +164,24 @@ def make_forward_step(loss_fn: LossFn, forward_only: bool = False, cp_comm_type:
         forward_only: accept bare scalar losses (no gradient is taken).
         cp_comm_type: context-parallel K/V exchange.
         temperature: the sampling temperature, one number or one per rollout of the global batch.
+        routing: rollout routing replay, per rollout of the global batch (as for
+            :func:`forward_backward`).
+        routing_columns: the model's MoE layer columns
+            (:func:`~megatron_branch.spec.moe.routing_replay.moe_layer_columns`, a
+            collective under pipeline parallelism: compute them before the schedule).
     """
+    if routing is not None and routing_columns is None and ParallelLayout.current().pp > 1:
+        raise ValueError("routing: under pipeline parallelism pass routing_columns=moe_layer_columns(...) "
+                         "computed on every stage before the schedule (or use forward_backward)")
+
     def forward_step(data_iterator, model):
         item = as_micro_batch(next(data_iterator))
         tree = item.tree
         check_model(model, tree)
         temps = micro_batch_temperatures(temperature, item.rollouts, item.batch_size)
         n = tree.unique_positions
-        params, ids = prepare_unit(model, tree, 0, n, cp_comm_type=cp_comm_type)
+        replayed = micro_batch_routing(model, item, routing, routing_columns)
+        params, ids = prepare_unit(model, tree, 0, n, cp_comm_type=cp_comm_type, routing=replayed)
         children = ChildIndex(tree)
         scored = None if item.score_mask is None else scored_tokens(tree, item.score_mask[:, : tree.max_len - 1])
         rows = UnitRows(tree, 0, n, params, children, scored)

@@ -27,10 +27,19 @@ from megatron_branch.losses import batch_part
 from megatron_branch.model import as_chunks, is_megatron_ddp, model_device, unwrap
 from megatron_branch.replay.step import replay_step, split_loss
 from megatron_branch.scoring.temperature import micro_batch_temperatures
+from megatron_branch.spec.moe import routers
+from megatron_branch.spec.moe.routing_replay import moe_layer_columns
 from megatron_branch.training.ddp import zero_grads
 from megatron_branch.training.optimizer import check_optimizer, optimizer_step
 from megatron_branch.training.runtime_check import ExactnessCheck, sample_rollouts
-from megatron_branch.training.schedule import LossFn, MicroBatch, as_micro_batch, forward_backward, token_count
+from megatron_branch.training.schedule import (
+    LossFn,
+    MicroBatch,
+    as_micro_batch,
+    forward_backward,
+    micro_batch_routing,
+    token_count,
+)
 
 
 @dataclass
@@ -81,6 +90,7 @@ def forward_backward_step(
     cp_comm_type: str = "allgather",
     forward_step_func=None,
     temperature=None,
+    routing=None,
 ) -> Tuple[float, int]:
     """Steps 1-3 of an iteration: zero the grad buffers, forward/backward every micro-batch,
     ``finalize_model_grads``. Afterwards every rank's ``main_grad`` holds the batch gradient
@@ -98,6 +108,10 @@ def forward_backward_step(
             truth, :func:`megatron_branch.reference.naive.make_naive_forward_step`).
         temperature: the sampling temperature, one number or one per rollout of the global
             batch (log-probs of ``softmax(logits / T)``).
+        routing: rollout routing replay (MoE): per rollout of the global batch, the
+            ``[len_r, moe_layers, topk]`` experts the engine chose (or one
+            ``[R, >= max_len, moe_layers, topk]`` tensor); every micro-batch's is checked
+            before any work (:func:`megatron_branch.spec.moe.routing_replay.tree_routing`).
 
     Returns:
         ``(loss_sum, global_num_tokens)``: this rank's summed loss (last pipeline stage)
@@ -120,8 +134,12 @@ def forward_backward_step(
     items = [as_micro_batch(x) for x in data]
     if not items:
         raise ValueError("data: this rank has no micro-batches")
-    zero_grads(chunks)
     streaming = max_chunk_tokens is not None or prefix_grad != "exact" or recompute_stem
+    replayed = None
+    if routing is not None:  # every micro-batch's checked before any work
+        columns = moe_layer_columns([r for c in chunks for r in routers(c)])
+        replayed = [micro_batch_routing(chunks[0], item, routing, columns) for item in items]
+    zero_grads(chunks)
     if not streaming:
         box = {}
         finalize = config.finalize_model_grads_func
@@ -133,7 +151,7 @@ def forward_backward_step(
         config.finalize_model_grads_func = finalize_and_keep
         try:
             out = forward_backward(chunks, items, loss_fn, forward_step_func=forward_step_func,
-                                   cp_comm_type=cp_comm_type, temperature=temperature)
+                                   cp_comm_type=cp_comm_type, temperature=temperature, routing=routing)
         finally:
             config.finalize_model_grads_func = finalize
         loss_sum = float(sum(float(d["lm loss"][0]) for d in out)) if out else 0.0
@@ -143,7 +161,7 @@ def forward_backward_step(
                          "with pipeline stages use one pass per micro-batch")
     return _streaming(chunks[0], items, loss_fn, config, max_chunk_tokens=max_chunk_tokens,
                       prefix_grad=prefix_grad, recompute_stem=recompute_stem, cp_comm_type=cp_comm_type,
-                      temperature=temperature)
+                      temperature=temperature, routing=replayed)
 
 
 def train_step(model, optimizer, data: Sequence[MicroBatch], loss_fn: LossFn, *,
@@ -186,7 +204,7 @@ def _verify(model, data, check: ExactnessCheck, temperature) -> float:
                      temps.values[temps.column[torch.tensor(picked, dtype=torch.long)]])
 
 
-def _streaming(model, items: List, loss_fn: LossFn, config, temperature=None, **replay) -> tuple:
+def _streaming(model, items: List, loss_fn: LossFn, config, temperature=None, routing=None, **replay) -> tuple:
     """Streaming replay per micro-batch; DDP reduces in the last micro-batch's final backward."""
     cp_rank = ParallelLayout.current().cp_rank
     device = model_device(model)
@@ -208,7 +226,8 @@ def _streaming(model, items: List, loss_fn: LossFn, config, temperature=None, **
         with ctx:
             temps = micro_batch_temperatures(temperature, item.rollouts, item.batch_size)
             stats = replay_step(model, item.tree, chunk_loss, score_mask=mask,
-                                temperature=temps.values[temps.column], **replay)
+                                temperature=temps.values[temps.column],
+                                routing=None if routing is None else routing[i], **replay)
         total += token_count(stats.num_tokens, cp_rank, device)
         loss_sum += stats.loss
     finalize = config.finalize_model_grads_func or finalize_model_grads

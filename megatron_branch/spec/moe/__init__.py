@@ -55,9 +55,11 @@ jitter / forced balancing (like dropout). ``MoEAuxLossAutoScaler``'s scale is Me
 Files, split like Megatron's ``transformer/moe/``: :mod:`.statistics` (the counts),
 :mod:`.router` (:class:`BranchTopKRouter`, the ``router`` slot), :mod:`.layer`
 (:class:`BranchMoELayer`, the ``mlp`` slot, and the layer class that hands it
-``packed_seq_params``), :mod:`.apply` (:func:`apply_branch_moe` puts them in a spec;
-``get_branch_layer_spec`` applies it) and :mod:`.routers` (a model's routers). What runs a
-step lives above, in :mod:`megatron_branch.replay`.
+``packed_seq_params``), :mod:`.routing_replay` (rollout routing replay: the engine's
+experts per unique token, replayed through Megatron's ``RouterReplay``), :mod:`.apply`
+(:func:`apply_branch_moe` puts them in a spec; ``get_branch_layer_spec`` applies it) and
+:mod:`.routers` (a model's routers). What runs a step lives above, in
+:mod:`megatron_branch.replay`.
 """
 
 from megatron_branch.spec.moe.apply import apply_branch_moe
@@ -70,6 +72,7 @@ from megatron_branch.spec.moe.routers import (
     routing_statistics,
     tokens_per_expert,
 )
+from megatron_branch.spec.moe.routing_replay import TreeRouting, moe_layer_columns, tree_routing
 from megatron_branch.spec.moe.statistics import (
     AUX_LOSSES,
     RoutingStatistics,
@@ -87,14 +90,17 @@ __all__ = [
     "BranchTopKRouter",
     "RoutingStatistics",
     "TOKEN_DROPPING",
+    "TreeRouting",
     "TreeSums",
     "TreeTokens",
     "apply_branch_moe",
     "check_moe_layers",
     "collecting_statistics",
+    "moe_layer_columns",
     "rollout_sums",
     "routers",
     "routing_statistics",
     "subtree_rollout_sums",
     "tokens_per_expert",
+    "tree_routing",
 ]

@@ -12,7 +12,13 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
-from megatron_branch._megatron import MoEAuxLossAutoScaler, TopKRouter, moe_router_behaviour, record_moe_metric
+from megatron_branch._megatron import (
+    MoEAuxLossAutoScaler,
+    TopKRouter,
+    moe_router_behaviour,
+    record_moe_metric,
+    replaying_topk,
+)
 from megatron_branch.spec.moe.statistics import LayerCounts, RoutingStatistics, TreeTokens, all_reduce
 
 BATCH_ROUTING = ("sinkhorn", "quantile_balancing")
@@ -24,7 +30,9 @@ class BranchTopKRouter(TopKRouter):
     Routing is the stock code path (``TopKRouter.routing``); in a tree forward the hooks
     it calls for the z-loss, the three aux losses and the expert-bias counts are replaced
     by weighted versions (see the module docstring for each definition). Without tree
-    data (ordinary batches) every hook is Megatron's own.
+    data (ordinary batches) every hook is Megatron's own. Tree data with replayed experts
+    (rollout routing replay, :mod:`.routing_replay`) hands this layer's column to
+    Megatron's ``RouterReplay`` for the forward.
     """
 
     def __init__(self, *args, **kwargs):
@@ -111,6 +119,10 @@ class BranchTopKRouter(TopKRouter):
                 raise ValueError("padding_mask: tree forwards have no padding mask (padding has multiplicity 0)")
             if self._collect is not None:
                 self._collect.add(self, tokens, logits)
+            experts = tokens.replayed_experts(self.layer_number)  # rollout routing replay, [n, topk]
+            if experts is not None:
+                with replaying_topk(self, experts):
+                    return super().routing(logits, padding_mask)
         return super().routing(logits, padding_mask)
 
     def apply_z_loss(self, logits: Tensor, padding_mask: Optional[Tensor] = None) -> Tensor:

@@ -11,7 +11,7 @@ whose forwards each hold only part of the tree.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -20,6 +20,9 @@ from megatron_branch._megatron import compute_routing_scores_for_aux_loss
 from megatron_branch.model import HOST
 from megatron_branch.spec.packed_seq import BranchPackedSeqParams
 from megatron_branch.tree import BranchTree
+
+if TYPE_CHECKING:
+    from megatron_branch.spec.moe.routing_replay import TreeRouting
 
 AUX_LOSSES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
 
@@ -102,6 +105,7 @@ class TreeTokens:
         complete: the forward holds the whole tree (across the TP x CP ranks): batch
             counts can be computed from it; otherwise they come from a
             :class:`RoutingStatistics`.
+        routing: the tree's replayed experts (:class:`~.routing_replay.TreeRouting`), or None.
     """
 
     tree: BranchTree
@@ -109,6 +113,17 @@ class TreeTokens:
     index: Tensor
     complete: bool
     _sums: Optional[TreeSums] = field(default=None, repr=False)
+    routing: Optional["TreeRouting"] = field(default=None, repr=False)
+    _experts: Optional[Tensor] = field(default=None, repr=False)
+
+    def replayed_experts(self, layer_number: int) -> Optional[Tensor]:
+        """``[n, topk]`` int64 experts the router of decoder layer ``layer_number`` replays
+        for these tokens (on the device of ``weights``), or None without routing replay."""
+        if self.routing is None:
+            return None
+        if self._experts is None:  # [n, moe_layers, topk], gathered once per forward for all layers
+            self._experts = self.routing.rows(self.index, self.weights.device)
+        return self._experts[:, self.routing.column(layer_number)]
 
     @property
     def sums(self) -> TreeSums:
@@ -137,7 +152,7 @@ class TreeTokens:
         index[index >= params.start + params.num_real] = -1
         tree = params.tree
         complete = params.start == 0 and params.num_real == tree.unique_positions
-        return cls(tree, weights, index, complete)
+        return cls(tree, weights, index, complete, routing=params.routing)
 
 
 @dataclass
