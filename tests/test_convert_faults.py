@@ -48,7 +48,8 @@ _spec.loader.exec_module(tool)
 TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=64, max_position_embeddings=64)
 SUPPORTED = ("LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, "
-             "MixtralForCausalLM, DeepseekV3ForCausalLM, Qwen3NextForCausalLM")
+             "MixtralForCausalLM, DeepseekV3ForCausalLM, Qwen3NextForCausalLM, Glm4MoeForCausalLM, Qwen3_5ForCausalLM, "
+             "Qwen3_5MoeForCausalLM")
 
 
 @pytest.fixture(scope="module")

@@ -313,6 +313,24 @@ def test_routing_to_a_model_that_cannot_replay_is_refused():
         mb.rollout_logprobs(dense, tree, routing=routing)
 
 
+@needs_replay
+def test_routers_holding_another_router_replay_class_are_refused():
+    """A trainer that patched its own RouterReplay class in process-wide (verl's R3 patch)
+    compares its own action enum, so Megatron's REPLAY_FORWARD would route natively:
+    refused, naming the class, not silently unreplayed."""
+    from megatron_branch.spec.moe import routers
+
+    class PatchedRouterReplay:  # what such a patch puts in the router: not Megatron's class
+        router_replay_action = None
+
+    tree = mb.BranchTree.from_sequences(ragged())
+    model = build_gpt(moe_config(), VOCAB, seed=0, spec_kwargs=SPEC)
+    for router in routers(model):
+        router.router_replay = PatchedRouterReplay()
+    with pytest.raises(ValueError, match=r"routing: the model's routers hold .*PatchedRouterReplay, not Megatron"):
+        mb.rollout_logprobs(model, tree, routing=random_routing(tree))
+
+
 def test_routing_without_router_replay_in_megatron_core_is_refused(monkeypatch):
     """A release without ``megatron/core/transformer/moe/router_replay.py`` (the adapter's
     import gives ``None``): refused with the release named, before any work."""

@@ -56,7 +56,9 @@ def test_what_the_branch_engine_refuses_is_named(env, capsys):
                              ("actor_rollout_ref.actor.megatron.override_transformer_config.attention_backend=local",
                               "attention_backend=local"),
                              ("+actor_rollout_ref.actor.megatron.override_mcore_model_config.branch.kernel=nope",
-                              "override_mcore_model_config.branch.kernel")):
+                              "override_mcore_model_config.branch.kernel"),
+                             ("actor_rollout_ref.actor.megatron.router_replay.mode=R2",
+                              "megatron.router_replay.mode=R2")):
         code, out, _ = check(capsys, "ppo_megatron_trainer", override, *GOOD)
         assert code == 1 and "refuses this configuration at initialize()" in out and option in out, out
 
@@ -103,3 +105,14 @@ def test_the_reference_engine_is_checked_with_its_own_keys(env, capsys):
     assert "branch.max_chunk_tokens" in out
     code, out, _ = check(capsys, "--role", "ref", "ppo_megatron_trainer", *GOOD)
     assert code == 0 and "ref engine: BranchMegatronEngine (megatron_branch: branch replay)" in out
+
+
+def test_rollout_routing_replay_builds_the_branch_engine(env, capsys):
+    """R3 runs under branch replay; the note names the rollout option that records the routes."""
+    r3 = "actor_rollout_ref.actor.megatron.router_replay.mode=R3"
+    code, out, _ = check(capsys, "ppo_megatron_trainer", *GOOD, r3)
+    assert code == 0 and "actor engine: BranchMegatronEngine (megatron_branch: branch replay)" in out
+    assert "enable_rollout_routing_replay=True" in out
+    code, out, _ = check(capsys, "ppo_megatron_trainer", *GOOD, r3,
+                         "actor_rollout_ref.rollout.enable_rollout_routing_replay=True")
+    assert code == 0 and "enable_rollout_routing_replay" not in out

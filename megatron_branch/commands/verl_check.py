@@ -13,7 +13,8 @@ reason:
 * ``VERL_ENGINE_VENDOR`` unset or misspelt, ``VERL_ENGINE_DEVICE`` set to another device;
 * the role's strategy is not ``megatron``, or the Megatron engine keys are missing (the
   default config with ``strategy=megatron`` builds an FSDP engine config);
-* a setting the branch engine refuses (it raises ``ValueError`` at ``initialize()``).
+* a setting the branch engine refuses (it raises ``ValueError`` at ``initialize()``; router
+  replay R3 runs, R2 is refused).
 
 Notes follow on what keeps groups of rollouts together (``trainer.balance_batch`` unless
 verl's group balance is on, ``actor.shuffle``, ``use_dynamic_bsz``), on Ray workers (a
@@ -202,6 +203,11 @@ def notes(config) -> List[str]:
     if not OmegaConf.select(config, "actor_rollout_ref.actor.use_dynamic_bsz", default=False):
         out.append("actor_rollout_ref.actor.use_dynamic_bsz=False: verl's fixed-size micro-batches cut groups; "
                    "set it to True (the budget is ppo_max_token_len_per_gpu unique tokens)")
+    if OmegaConf.select(config, "actor_rollout_ref.actor.megatron.router_replay.mode", default=None) == "R3" and \
+            not OmegaConf.select(config, "actor_rollout_ref.rollout.enable_rollout_routing_replay", default=False):
+        out.append("actor_rollout_ref.actor.megatron.router_replay.mode=R3 replays the rollout's routes: set "
+                   "actor_rollout_ref.rollout.enable_rollout_routing_replay=True so that the rollout records them "
+                   "(without them the first replayed pass raises, naming routed_experts)")
     if os.environ.get("RAY_ADDRESS") and not OmegaConf.select(
             config, "ray_kwargs.ray_init.runtime_env.env_vars.VERL_ENGINE_VENDOR", default=None):
         out.append("RAY_ADDRESS is set: a Ray cluster started outside this shell does not see its environment; add "

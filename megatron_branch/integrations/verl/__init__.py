@@ -8,12 +8,20 @@ package when it starts (in the driver and in every Ray worker), which registers
 environment); anything else, a critic for example, keeps verl's stock engine. No patch
 of verl. The tree-attention kernel and the streaming budget of forward-only log-probs come
 from the engine config's ``override_mcore_model_config.branch`` (``kernel``,
-``max_chunk_tokens``). The layer spec goes into either bridge verl builds with (:mod:`.bridges`);
+``max_chunk_tokens``). MoE rollout routing replay (``megatron.router_replay.mode=R3``) hands
+verl's ``routed_experts`` to the package (:func:`~.engine.rollout_routing`). The layer spec goes
+into either bridge verl builds with (:mod:`.bridges`);
 ``megatron-branch verl-check`` says which engine verl would build. See ``docs/integrations.md``.
 """
 
 from megatron_branch.integrations.verl.bridges import branch_layer_spec, check_branch_model, hook_mbridge, hook_provider
-from megatron_branch.integrations.verl.engine import VENDOR, BranchMegatronEngine, check_config, check_micro_batch
+from megatron_branch.integrations.verl.engine import (
+    VENDOR,
+    BranchMegatronEngine,
+    check_config,
+    check_micro_batch,
+    rollout_routing,
+)
 from megatron_branch.integrations.verl.micro_batches import (
     SharingStats,
     group_micro_batches,
@@ -24,4 +32,4 @@ from megatron_branch.integrations.verl.micro_batches import (
 
 __all__ = ["VENDOR", "BranchMegatronEngine", "SharingStats", "branch_layer_spec", "check_branch_model",
            "check_config", "check_micro_batch", "group_micro_batches", "hook_mbridge", "hook_provider",
-           "pack_groups", "split_group", "split_to"]
+           "pack_groups", "rollout_routing", "split_group", "split_to"]

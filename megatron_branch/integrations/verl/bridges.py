@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from typing import Callable, Optional
 
 from megatron_branch._deps import HAVE_TE
@@ -35,6 +36,7 @@ ATTENTION_BACKEND_OPTION = "megatron.override_transformer_config.attention_backe
 # fuses them into the next linear (same tensor, other name), which is what mbridge maps.
 _LOCAL_TO_TE_NAMES = ((".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight"),
                       (".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight"))
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 
 
 def branch_layer_spec(spec, kernel: Optional[str] = None):
@@ -87,7 +89,8 @@ def hook_mbridge(bridge, kernel: Optional[str] = None) -> None:
 def use_mbridge_local_spec(bridge, transform: Optional[Callable] = None) -> None:
     """Make an ``mbridge`` bridge object build ``transform(spec)`` of its layer spec, and,
     without Transformer Engine, build Megatron's local block spec (mbridge asks for TE's,
-    which does not build without TE) with its weight-name map taught the local norm names.
+    which does not build without TE) with its weight-name map taught the local names (norms; an MoE
+    layer's ``SequentialMLP`` experts, named as TE's grouped experts).
 
     The object becomes an instance of a subclass of its own class (:func:`_branch_bridge_class`)
     that overrides those two methods: mbridge has no public hook for its layer spec. Also what
@@ -119,9 +122,14 @@ def _branch_bridge_class(base: type) -> type:
 
         def _weight_name_mapping_mcore_to_hf(self, mcore_weights_name: str):
             if not HAVE_TE:
+                # local experts (SequentialMLP) under the names of TE's grouped experts: linear_fc1.weight<i>
+                mcore_weights_name = _LOCAL_EXPERT.sub(r".mlp.experts.\2.weight\1", mcore_weights_name)
                 for local, te in _LOCAL_TO_TE_NAMES:
                     if mcore_weights_name.endswith(local):
-                        mcore_weights_name = mcore_weights_name[: -len(local)] + te
+                        try:
+                            return super()._weight_name_mapping_mcore_to_hf(mcore_weights_name[: -len(local)] + te)
+                        except NotImplementedError:  # an MoE layer: its pre-MLP norm keeps the local name under TE
+                            break
             return super()._weight_name_mapping_mcore_to_hf(mcore_weights_name)
 
     BranchBridge.__name__ = BranchBridge.__qualname__ = f"Branch{base.__name__}"

@@ -32,11 +32,18 @@ is built and logged once. The budget applies to forward-only passes without entr
 micro-batch's tree in forwards of at most that many tokens. A pass that needs gradients or
 entropy runs one forward per micro-batch (verl's ``*_max_token_len_per_gpu`` bounds it).
 
+Rollout routing replay (``megatron.router_replay.mode=R3``): the experts verl's rollout
+recorded (``routed_experts``, jagged ``[B, L_i, layers, topk]``) are cut per sequence
+(:func:`rollout_routing`: MoE layers only, unrecorded last rows filled) and replayed
+by the package (``routing=``), one routing per unique token; verl's own replay patch stays
+off for this engine (:func:`_verl_replay_patch_off`). R2 (record in the old-log-prob pass,
+replay in the update) is refused.
+
 What cannot be exact is refused with the verl option named (:func:`check_config`,
-:func:`check_micro_batch`): fused kernels, BSHD (no remove-padding), MTP, router replay,
-dynamic CP, pipeline and context parallelism (not supported by this adapter yet),
-Megatron-Bridge with ``attention_backend=local``, multi-modal inputs, distillation, Σπ²
-outputs, value heads.
+:func:`check_micro_batch`): fused kernels, BSHD (no remove-padding), MTP, router replay R2
+(and R3 with ``moe_router_fusion``), dynamic CP, pipeline and context parallelism (not
+supported by this adapter yet), Megatron-Bridge with ``attention_backend=local``,
+multi-modal inputs, distillation, Σπ² outputs, value heads.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ import contextlib
 import logging
 import os
 from functools import partial
-from typing import Iterator, Optional
+from typing import Iterator, List, Optional
 
 import torch
 from tensordict import TensorDict
@@ -55,6 +62,7 @@ from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.megatron import transformer_impl
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
+from megatron_branch._megatron import RouterReplay, TopKRouter
 from megatron_branch.integrations.options import (
     BranchOptions,
     describe_budget,
@@ -67,6 +75,7 @@ from megatron_branch.integrations.verl.micro_batches import SharingStats, batch_
 from megatron_branch.layout import ParallelLayout
 from megatron_branch.replay.step import replay_logprobs
 from megatron_branch.scoring.packed import packed_logprobs
+from megatron_branch.spec.moe.routing_replay import check_routing_model, moe_layer_columns
 from megatron_branch.training.runtime_check import ExactnessCheck, sample_rollouts
 from megatron_branch.tree import BranchTree
 
@@ -88,6 +97,17 @@ def _attention_backend(engine_config) -> str:
     return str(getattr(value, "name", value) or "").lower()
 
 
+def _router_replay_mode(engine_config) -> str:
+    """``megatron.router_replay.mode`` ('disabled' when unset)."""
+    mode = _flag(_flag(engine_config, "router_replay"), "mode", None)
+    return "disabled" if mode in (None, "none", "disabled") else str(mode)
+
+
+def _override(engine_config, key: str):
+    overrides = _flag(engine_config, "override_transformer_config") or {}
+    return overrides.get(key) if hasattr(overrides, "get") else None
+
+
 def check_config(engine_config, model_config) -> None:
     """Refuse verl settings branch replay cannot compute exactly, naming the option.
 
@@ -106,8 +126,18 @@ def check_config(engine_config, model_config) -> None:
         ((_flag(engine_config, "pipeline_model_parallel_size", 1) or 1) > 1,
          "megatron.pipeline_model_parallel_size > 1",
          "pipeline stages would exchange tree activations this adapter does not send yet"),
-        (_flag(_flag(engine_config, "router_replay"), "mode", None) not in (None, "disabled", "none"),
-         "megatron.router_replay.mode", "router replay records and replays per-position routes of verl's layout"),
+        (_router_replay_mode(engine_config) not in ("disabled", "R3"),
+         f"megatron.router_replay.mode={_router_replay_mode(engine_config)}",
+         "R2 records routes in the old-log-prob pass and replays them in the update, which would need a record "
+         "path mapping the prefix tree back to rollouts; R3 (the rollout's own routes) is supported"),
+        (_router_replay_mode(engine_config) == "R3" and bool(_override(engine_config, "moe_router_fusion")),
+         "megatron.override_transformer_config.moe_router_fusion=True",
+         "with router_replay.mode=R3 the fused top-k kernel bypasses Megatron's RouterReplay: set it to False"),
+        (_router_replay_mode(engine_config) == "R3" and _override(engine_config, "moe_enable_routing_replay")
+         is not None and not _override(engine_config, "moe_enable_routing_replay"),
+         "megatron.override_transformer_config.moe_enable_routing_replay=False",
+         "router_replay.mode=R3 needs routers built with Megatron's RouterReplay: set it to True (or leave it "
+         "unset; verl sets it)"),
         (_flag(_flag(model_config, "mtp"), "enable", False), "actor_rollout_ref.model.mtp.enable=True",
          "multi-token prediction layers are built from Megatron's stock specs"),
         (_attention_backend(engine_config) == "local" and not _flag(engine_config, "vanilla_mbridge", False),
@@ -128,14 +158,134 @@ def check_config(engine_config, model_config) -> None:
 
 def check_micro_batch(batch: TensorDict) -> None:
     """Refuse per-batch options that cannot be exact, naming the key."""
-    for key in ("distillation_use_topk", "distillation_only", "calculate_sum_pi_squared", "record_r2_routes",
-                "enable_routing_replay"):
+    for key in ("distillation_use_topk", "distillation_only", "calculate_sum_pi_squared", "record_r2_routes"):
         if tu.get_non_tensor_data(batch, key=key, default=False):
             raise ValueError(f"{key}: not supported by megatron_branch's verl engine; use verl's stock engine")
     if "multi_modal_inputs" in batch.keys():
         raise ValueError("multi_modal_inputs: multi-modal batches are not supported by megatron_branch's verl engine")
     if not batch["input_ids"].is_nested:
         raise ValueError("input_ids: megatron_branch's verl engine takes verl's jagged (no-padding) micro-batches")
+
+
+# ---------------------------------------------------------------------------- rollout routing replay (R3)
+def moe_routers(model) -> list:
+    """The MoE routers of ``model``'s decoder (a Megatron ``TopKRouter`` each), in layer order."""
+    found = [m for m in getattr(model, "decoder", model).modules() if isinstance(m, TopKRouter)]
+    return sorted(found, key=lambda r: int(r.layer_number))
+
+
+def _fill_last_rows(sequences: List[torch.Tensor], parts: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Each sequence's unrecorded routing rows filled: the last one (the rollout engine never
+    forwards the last sampled token; verl pads its row with zeros; no log-prob of its sequence
+    reads it) and, before it, trailing placeholder rows (all zeros with ``topk > 1``, which no
+    top-k is: verl's agent loop zero-fills what the engine did not record, e.g. after a
+    multi-turn loop's last generation). A filled row takes the row another sequence of the
+    micro-batch recorded for the same token of the tree, else the previous row of its own
+    sequence, so that rollouts sharing a token agree."""
+    tree = BranchTree.from_sequences(sequences)
+    lengths = [len(x) for x in sequences]
+    rows = torch.cat([tree.rows[i, :n] for i, n in enumerate(lengths)]).to("cpu")  # packed index per position
+    flat = torch.cat(parts)
+    missing = torch.zeros(len(rows), dtype=torch.bool)
+    start = 0
+    for part, n in zip(parts, lengths):
+        first = n - 1
+        if part.shape[-1] > 1:
+            zero = (part == 0).flatten(1).all(1)
+            while first > 0 and bool(zero[first - 1]):
+                first -= 1
+        missing[start + first: start + n] = True
+        start += n
+    known = torch.zeros(tree.unique_positions, dtype=torch.bool)
+    known[rows[~missing]] = True
+    source = torch.full((tree.unique_positions,), -1, dtype=torch.long)
+    source[rows[~missing]] = torch.nonzero(~missing)[:, 0]  # any recorded entry of each tree token
+    out, start = [], 0
+    for part, n in zip(parts, lengths):
+        part = part.clone()
+        for t in torch.nonzero(missing[start: start + n])[:, 0].tolist():
+            token = int(rows[start + t])
+            if bool(known[token]):
+                part[t] = flat[int(source[token])]
+            elif t > 0:
+                part[t] = part[t - 1]
+            else:  # a first token nobody recorded (it predicts nothing read here): any distinct experts
+                part[t] = torch.arange(part.shape[-1], dtype=part.dtype)
+        out.append(part)
+        start += n
+    return out
+
+
+def rollout_routing(batch: TensorDict, routers: list, num_layers: int) -> List[torch.Tensor]:
+    """The rollout's routes of a verl micro-batch, per sequence ``[L_i, moe_layers, topk]``
+    (host), for ``routing=`` of :func:`megatron_branch.packed_logprobs`.
+
+    verl's ``routed_experts`` is jagged ``[B, L_i, layers, topk]`` aligned with ``input_ids``
+    (its rollout records every decoder layer, ``layers = num_layers``; only the MoE layers'
+    columns are kept, at their routers' layer numbers; a tensor with the MoE layers only is
+    taken as it is). A sequence with one row fewer than its tokens gets one; every last row
+    and trailing zero rows are filled (:func:`_fill_last_rows`).
+
+    Raises:
+        ValueError: no ``routed_experts``, or one that does not match ``input_ids`` or the model's layers.
+    """
+    routed = batch.get("routed_experts", None) if "routed_experts" in batch.keys() else None
+    if routed is None:
+        raise ValueError("routed_experts: megatron.router_replay.mode=R3 replays the rollout's routes but the batch "
+                         "has none (actor_rollout_ref.rollout.enable_rollout_routing_replay=True records them)")
+    sequences = [s.to("cpu") for s in batch["input_ids"].unbind()]
+    if not isinstance(routed, torch.Tensor) or not routed.is_nested or routed.dim() != 4 or \
+            routed.size(0) != len(sequences):
+        got = tuple(routed.shape) if isinstance(routed, torch.Tensor) and not routed.is_nested else type(routed)
+        raise ValueError(f"routed_experts: expected verl's jagged [B, L_i, layers, topk] with B = {len(sequences)} "
+                         f"(use_remove_padding=True), got {got}")
+    numbers = [int(r.layer_number) for r in routers]
+    parts = []
+    for i, (seq, part) in enumerate(zip(sequences, routed.unbind())):
+        part = part.to("cpu")
+        if part.shape[0] == len(seq) - 1:
+            part = torch.cat([part, part[-1:] if len(part) else part.new_zeros(1, *part.shape[1:])])
+        if part.shape[0] != len(seq):
+            raise ValueError(f"routed_experts: sample {i} has {part.shape[0]} rows for {len(seq)} tokens")
+        if part.shape[1] == num_layers and num_layers != len(numbers):
+            part = part[:, [n - 1 for n in numbers]]  # every decoder layer recorded: the MoE layers' columns
+        elif part.shape[1] != len(numbers):
+            raise ValueError(f"routed_experts: sample {i} has {part.shape[1]} layers; the model has {num_layers} "
+                             f"decoder layers, {len(numbers)} of them MoE")
+        parts.append(part.long() if part.dtype == torch.uint8 else part)
+    return _fill_last_rows(sequences, parts)
+
+
+@contextlib.contextmanager
+def _verl_replay_patch_off():
+    """Scoped: verl's ``MegatronEngine.__init__`` does not apply its router replay patch
+    (``apply_router_replay_patch``: its own ``RouterReplay`` in every ``TopKRouter`` and its own
+    routing), so the routers keep Megatron's ``RouterReplay``, which the package drives. A
+    runtime patch of one module attribute, undone on exit; verl 0.9.1."""
+    saved = transformer_impl.apply_router_replay_patch
+    transformer_impl.apply_router_replay_patch = lambda: None
+    try:
+        yield
+    finally:
+        transformer_impl.apply_router_replay_patch = saved
+
+
+def check_routing_routers(routers: list, config) -> None:
+    """Raise unless ``routers`` (the built model's) can replay the rollout's routes with the
+    package: Megatron's own ``RouterReplay`` in each (not verl's patched one: its actions are
+    another enum, a replay would silently route natively)."""
+    option = "megatron.router_replay.mode=R3"
+    # verl's patched class first: the library's refusal of a foreign RouterReplay does not say why it is there
+    foreign = [r for r in routers if RouterReplay is None or not isinstance(r.router_replay, RouterReplay)]
+    if RouterReplay is not None and foreign:
+        raise ValueError(f"{option}: the routers hold {type(foreign[0].router_replay).__module__}.RouterReplay (verl's "
+                         "router replay patch, applied by another engine with router replay in this process), not "
+                         "Megatron's, which megatron_branch replays through; build the branch engine in a process "
+                         "where verl's stock engine with router_replay does not run")
+    try:
+        check_routing_model(routers, moe_layer_columns(routers), config)
+    except ValueError as exc:
+        raise ValueError(f"{option}: {exc}") from None
 
 
 def _temperatures(batch: TensorDict, num: int) -> torch.Tensor:
@@ -151,14 +301,15 @@ def _temperatures(batch: TensorDict, num: int) -> torch.Tensor:
 
 
 def _streamed_logprobs(model, values: torch.Tensor, offsets: torch.Tensor, temps: torch.Tensor,
-                       max_chunk_tokens: int) -> torch.Tensor:
+                       max_chunk_tokens: int, routing: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
     """Forward-only log-probs of the packed sequences ``values`` (``offsets [B + 1]``) in
     verl's flat layout, by streaming replay of their tree: ``lp[t] = log p(x[t + 1] | <= t)``
     within each sequence, 0 at its last token."""
     bounds = offsets.to("cpu")
     flat = values.detach().to("cpu")
     tree = BranchTree.from_sequences([flat[int(a):int(b)] for a, b in zip(bounds[:-1], bounds[1:])])
-    lp = replay_logprobs(model, tree, max_chunk_tokens=max_chunk_tokens, temperature=temps)  # [B, max_len - 1]
+    lp = replay_logprobs(model, tree, max_chunk_tokens=max_chunk_tokens, temperature=temps,
+                         routing=routing)  # [B, max_len - 1]
     t = torch.arange(lp.shape[1])
     valid = t[None, :] < (bounds.diff() - 1)[:, None]
     where = (bounds[:-1, None] + t[None, :])[valid]
@@ -186,6 +337,13 @@ class BranchMegatronEngine(MegatronEngineWithLMHead):
         return self.branch_options
 
     # ------------------------------------------------------------------ model build
+    def __init__(self, *args, **kwargs):
+        with _verl_replay_patch_off():  # R3 goes through the package (Megatron's RouterReplay), not verl's patch
+            super().__init__(*args, **kwargs)
+
+    def _replays_routes(self) -> bool:
+        return _router_replay_mode(self.engine_config) == "R3"
+
     def initialize(self):
         """verl's ``initialize``, with the configuration checked first (a ``ValueError`` naming
         the verl option, before anything is built), the built model checked for tree attention
@@ -194,6 +352,8 @@ class BranchMegatronEngine(MegatronEngineWithLMHead):
         self._options()
         super().initialize()
         check_branch_model(self.module)
+        if self._replays_routes():
+            check_routing_routers(moe_routers(self.module[0]), self.tf_config)
         # verl's loggers default to WARN: logged at that level so that every run shows which engine ran
         logger.warning("megatron_branch: branch replay is active in verl's %s engine (%s; kernel %s; "
                        "VERL_ENGINE_VENDOR=%s); per-step sharing in the branch/* metrics",
@@ -259,15 +419,20 @@ class BranchMegatronEngine(MegatronEngineWithLMHead):
             self._sharing.add(input_ids.values(), offsets, batch_uids(batch))
         entropy = bool(tu.get_non_tensor_data(batch, key="calculate_entropy", default=False))
         temps = _temperatures(batch, int(offsets.numel() - 1))
+        routing = None  # R3: verl sets enable_routing_replay for old log-probs and the update, not the reference
+        if self._replays_routes() and tu.get_non_tensor_data(batch, key="enable_routing_replay", default=False):
+            routers = moe_routers(model)
+            routing = rollout_routing(batch, routers, int(routers[0].config.num_layers) if routers else 0)
         budget = self._options().max_chunk_tokens
         if budget is not None and not torch.is_grad_enabled() and not entropy:
             # verl's infer_batch (old/ref log-probs) runs under no_grad: stream the tree
-            lp, ent = _streamed_logprobs(model, input_ids.values(), offsets, temps, budget), None
+            lp, ent = _streamed_logprobs(model, input_ids.values(), offsets, temps, budget, routing), None
         else:
             if budget is not None and not torch.is_grad_enabled():
                 log_once("megatron_branch verl engine: a forward-only pass asks for entropy; it runs one forward "
                          "per micro-batch (max_chunk_tokens streams log-probs only)", logging.WARNING)
-            out = packed_logprobs(model, input_ids.values(), offsets.to("cpu"), temperature=temps, entropy=entropy)
+            out = packed_logprobs(model, input_ids.values(), offsets.to("cpu"), temperature=temps, entropy=entropy,
+                                  routing=None if routing is None else torch.cat(routing))
             lp, ent = out if entropy else (out, None)
         output = {"log_probs": torch.nested.nested_tensor_from_jagged(lp, offsets)}
         if ent is not None:

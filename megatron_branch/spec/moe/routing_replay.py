@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_branch._megatron import router_replay_unavailable_reason
+from megatron_branch._megatron import RouterReplay, router_replay_unavailable_reason
 from megatron_branch.layout import ParallelLayout
 from megatron_branch.model import HOST
 from megatron_branch.tree import BranchTree
@@ -112,7 +112,7 @@ def check_routing_model(found: List, columns: Optional[Dict[int, int]] = None, c
 
     Raises:
         ValueError: no MoE layers, a megatron-core without RouterReplay, ``moe_enable_routing_replay``
-            off, or ``moe_router_fusion`` on; the field named.
+            off, ``moe_router_fusion`` on, or routers holding another RouterReplay class; the field named.
     """
     if not found and not columns:
         raise ValueError("routing: the model has no MoE layers (routing replays the experts of MoE routers); "
@@ -120,6 +120,14 @@ def check_routing_model(found: List, columns: Optional[Dict[int, int]] = None, c
     reason = router_replay_unavailable_reason(found[0].config if found else config)
     if reason is None and any(getattr(r, "router_replay", None) is None for r in found):
         reason = "a router of the model has no RouterReplay (moe_enable_routing_replay was off when it was built)"
+    # another RouterReplay class (e.g. one a trainer patched in process-wide) compares its own
+    # action enum: Megatron's REPLAY_FORWARD would then route natively, silently
+    foreign = sorted({type(r.router_replay).__module__ + "." + type(r.router_replay).__qualname__ for r in found
+                      if getattr(r, "router_replay", None) is not None
+                      and not isinstance(r.router_replay, RouterReplay)})
+    if reason is None and foreign:
+        reason = (f"the model's routers hold {', '.join(foreign)}, not Megatron-Core's RouterReplay (a process-wide "
+                  "patch applied before the model was built); build the model without it")
     if reason:
         raise ValueError(f"routing: {reason}")
 
