@@ -17,6 +17,7 @@ import dist_worker
 import pytest
 import torch
 import torch.distributed as dist
+from test_moe import loss_fn_for, ragged  # the MoE suite's forest (2 prompts, 12 rollouts) and additive loss
 
 import megatron_branch as mb
 from megatron_branch._megatron import MoEAuxLossAutoScaler, RouterReplay, clear_moe_logged_metrics
@@ -55,26 +56,12 @@ def make_pair(stock_overrides=None, **overrides):
     return branch, stock
 
 
-def ragged():
-    return branching_rollouts([20, 13], [2, 3], [6, 5], VOCAB, seed=3, jitter=3).sequences  # 2 prompts, 12 rollouts
-
-
 def random_routing(tree: mb.BranchTree, seed: int = 0, layers: int = LAYERS, topk: int = TOPK):
     """Per rollout ``[len_r, layers, topk]`` random distinct experts, one draw per unique
     token (rollouts sharing a token agree), each row in a random order."""
     g = torch.Generator().manual_seed(seed)
     unique = torch.rand(tree.unique_positions, layers, EXPERTS, generator=g).argsort(-1)[..., :topk]
     return [unique[tree.rows[r, : int(tree.lengths[r])]] for r in range(tree.num_rollouts)]
-
-
-def loss_fn_for(seqs):
-    weights = torch.linspace(-1.0, 1.0, len(seqs))
-
-    def loss_fn(lp, ids=None):  # additive over rollouts: any chunking sums to the same loss
-        ids = torch.arange(len(seqs)) if ids is None else ids
-        return (lp.sum(1) * weights[ids]).sum() / 100
-
-    return loss_fn
 
 
 @pytest.fixture(autouse=True)

@@ -30,6 +30,8 @@ from typing import Callable, Dict
 import torch
 from torch import Tensor
 
+from megatron_branch.hf import qwen3_next
+
 DENSE, MOE = "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"
 ARCHS = (DENSE, MOE)
 MODEL_TYPES = {"qwen3_5_text": DENSE, "qwen3_5_moe_text": MOE}
@@ -107,14 +109,7 @@ def gdn_to_megatron(take: Callable[..., Tensor], cfg: dict, hf: str, mg: str) ->
     conv = 2 * nk * dk + nv * dv
     in_proj = [take(hf + "in_proj_qkv.weight", conv, hidden), take(hf + "in_proj_z.weight", nv * dv, hidden),
                take(hf + "in_proj_b.weight", nv, hidden), take(hf + "in_proj_a.weight", nv, hidden)]
-    return {
-        mg + "in_proj.weight": torch.cat(in_proj),
-        mg + "conv1d.weight": take(hf + "conv1d.weight", conv, 1, cfg["linear_conv_kernel_dim"]),
-        mg + "A_log": take(hf + "A_log", nv),
-        mg + "dt_bias": take(hf + "dt_bias", nv),
-        mg + "out_norm.weight": take(hf + "norm.weight", dv),
-        mg + "out_proj.weight": take(hf + "out_proj.weight", hidden, nv * dv),
-    }
+    return qwen3_next.gdn_layer_to_megatron(take, cfg, hf, mg, torch.cat(in_proj))
 
 
 def gdn_from_megatron(take: Callable[..., Tensor], cfg: dict, mg: str, hf: str) -> Dict[str, Tensor]:

@@ -215,7 +215,6 @@ def gdn_to_megatron(take: Callable[..., Tensor], cfg: dict, hf: str, mg: str) ->
     """
     nk, r, dk, dv, nv = _gdn_dims(cfg)
     hidden = cfg["hidden_size"]
-    conv = 2 * nk * dk + nv * dv
     # [nk * (2 dk + 2 r dv), H] -> [nk, 2 dk + 2 r dv, H] -> per key head q, k, v, z
     qkvz = take(hf + "in_proj_qkvz.weight", nk * (2 * dk + 2 * r * dv), hidden).reshape(nk, -1, hidden)
     q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=1)
@@ -223,6 +222,15 @@ def gdn_to_megatron(take: Callable[..., Tensor], cfg: dict, hf: str, mg: str) ->
     b, a = take(hf + "in_proj_ba.weight", nk * 2 * r, hidden).reshape(nk, 2 * r, hidden).split([r, r], dim=1)
     # each [nk, rows, H] -> [nk * rows, H]: whole sections in head order
     in_proj = torch.cat([t.reshape(-1, hidden) for t in (q, k, v, z, b, a)])
+    return gdn_layer_to_megatron(take, cfg, hf, mg, in_proj)
+
+
+def gdn_layer_to_megatron(take: Callable[..., Tensor], cfg: dict, hf: str, mg: str, in_proj: Tensor
+                          ) -> Dict[str, Tensor]:
+    """A Gated DeltaNet layer's Megatron tensors given its fused ``in_proj [rows, H]`` (laid out per
+    family: Qwen3-Next interleaves per key head, Qwen3.5 concatenates): the rest maps 1:1."""
+    nv, dv, hidden = cfg["linear_num_value_heads"], cfg["linear_value_head_dim"], cfg["hidden_size"]
+    conv = 2 * cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"] + nv * dv
     return {
         mg + "in_proj.weight": in_proj,
         mg + "conv1d.weight": take(hf + "conv1d.weight", conv, 1, cfg["linear_conv_kernel_dim"]),
